@@ -1,0 +1,297 @@
+"""DBuffer: the flat storage of one group, which is also its collective buffer.
+
+Three flat tensors laid out by the planner:
+
+* ``sharded`` (size S, master dtype): this rank's segment, persistent. The optimizer's
+  parameters are 1-D views into it.
+* ``unsharded`` (size m·S, compute dtype): allocated at unshard, freed at reshard. The
+  module's parameters are fixed, original-shape views into it, so the all-gather
+  writes every parameter in place: no copy-in, no copy-out.
+* ``unsharded_grad`` (size m·S, compute dtype): autograd accumulates each parameter's
+  gradient straight into its view; the collective reads the flat buffer as is.
+
+Storage is freed and re-allocated with ``untyped_storage().resize_`` so the views (and
+tensors autograd saved) stay valid across reshard/unshard. Group-level work (zeroing,
+casting, scaling by 1/world) runs once on the flat tensors, never per parameter.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_ragged.planning import Layout
+from lightning_ragged.ragged_shard import RaggedShard
+
+REDUCE_MODES = ("all_reduce", "reduce_scatter")
+
+
+@dataclass
+class CommStats:
+    """Collectives issued by the engine: counts, bytes on the wire per rank, and time."""
+
+    all_gathers: int = 0
+    all_gather_bytes: int = 0
+    all_gather_seconds: float = 0.0
+    reduces: int = 0
+    reduce_bytes: int = 0
+    reduce_seconds: float = 0.0
+
+    def reset(self) -> None:
+        self.__init__()
+
+
+def default_reduce_mode(group: dist.ProcessGroup | None) -> str:
+    """gloo's reduce-scatter is an all-reduce plus copies, so all-reduce in place is cheaper there."""
+    return "all_reduce" if dist.get_backend(group) == "gloo" else "reduce_scatter"
+
+
+class _PendingCollective:
+    """An issued collective and the tensors that must stay alive until it finishes."""
+
+    def __init__(self, work: dist.Work | None, started: float, *keep_alive: torch.Tensor) -> None:
+        self.work = work
+        self.started = started
+        self.keep_alive = keep_alive
+
+    def wait(self) -> float:
+        if self.work is not None:
+            self.work.wait()
+        return time.perf_counter() - self.started
+
+
+class DBuffer:
+    """Flat sharded/unsharded/gradient storage for one group of parameters."""
+
+    def __init__(
+        self,
+        layout: Layout,
+        params: Sequence[tuple[str, nn.Parameter]],
+        shard_group: dist.ProcessGroup | None,
+        *,
+        param_dtype: torch.dtype | None = None,
+        reduce_dtype: torch.dtype | None = None,
+        replicate_group: dist.ProcessGroup | None = None,
+        reduce_mode: str | None = None,
+        stats: CommStats | None = None,
+    ) -> None:
+        self.layout = layout
+        self.shard_group = shard_group
+        self.replicate_group = replicate_group
+        self.rank = dist.get_rank(shard_group)
+        self.world_size = dist.get_world_size(shard_group)
+        if layout.world_size != self.world_size:
+            raise ValueError(f"layout planned for {layout.world_size} ranks but the shard group has {self.world_size}")
+        self.reduce_mode = reduce_mode or default_reduce_mode(shard_group)
+        if self.reduce_mode not in REDUCE_MODES:
+            raise ValueError(f"reduce_mode={reduce_mode!r} is not supported; use one of {REDUCE_MODES}")
+        self.stats = stats if stats is not None else CommStats()
+        first = params[0][1]
+        self.device = first.device
+        self.master_dtype = first.dtype
+        self.param_dtype = param_dtype or self.master_dtype
+        self.reduce_dtype = reduce_dtype or self.param_dtype
+        segment = layout.segment_size
+        self.segment = slice(self.rank * segment, (self.rank + 1) * segment)
+
+        self.sharded = torch.zeros(segment, dtype=self.master_dtype, device=self.device)
+        self.unsharded = torch.empty(self.world_size * segment, dtype=self.param_dtype, device=self.device)
+        self.unsharded_grad = torch.empty_like(self.unsharded)
+        self.sharded_grad: torch.Tensor | None = None
+        self._unsharded_bytes = self.unsharded.untyped_storage().nbytes()
+        # The all-gather writes through an alias with its own version counter: an async
+        # gloo collective bumps its output's version on a background thread, which would
+        # invalidate the parameter views autograd saved in forward.
+        self._gather_target = torch.empty(0, dtype=self.param_dtype, device=self.device).set_(
+            self.unsharded.untyped_storage(), 0, self.unsharded.shape
+        )
+
+        pieces = {name: (start, end, offset) for name, start, end, offset in layout.local_pieces(self.rank)}
+        self.names = [name for name, _ in params]
+        self.sharded_params: dict[str, nn.Parameter] = {}
+        self.unsharded_params: dict[str, nn.Parameter] = {}
+        self._unsharded_grad_views: dict[str, torch.Tensor] = {}
+        self._sharded_grad_slices: dict[str, slice] = {}
+        with torch.no_grad():
+            for name, param in params:
+                start, end, offset = pieces.get(name, (0, 0, 0))
+                local = slice(offset, offset + end - start)
+                self.sharded[local].copy_(param.detach().reshape(-1)[start:end])
+                sharded_param = nn.Parameter(self.sharded[local], requires_grad=param.requires_grad)
+                sharded_param.ragged_shard = RaggedShard(
+                    name, param.shape, layout.specs[name].granularity, layout.ranges(name), self.rank
+                )
+                self.sharded_params[name] = sharded_param
+                self._sharded_grad_slices[name] = local
+                begin = layout.offsets[name]
+                full = slice(begin, begin + param.numel())
+                self.unsharded_params[name] = nn.Parameter(
+                    self.unsharded[full].view(param.shape), requires_grad=param.requires_grad
+                )
+                self._unsharded_grad_views[name] = self.unsharded_grad[full].view(param.shape)
+        _free(self.unsharded)
+        _free(self.unsharded_grad)
+        self._pending_unshard: _PendingCollective | None = None
+        self._pending_reduce: _PendingCollective | None = None
+
+    # ----------------------------------------------------------------- unshard
+    @property
+    def is_unsharded(self) -> bool:
+        return _is_allocated(self.unsharded)
+
+    def unshard(self, async_op: bool = False) -> None:
+        """All-gather every rank's segment straight into the unsharded buffer (the parameters' storage)."""
+        if self.is_unsharded:
+            return
+        started = time.perf_counter()
+        _allocate(self.unsharded, self._unsharded_bytes)
+        source = self.sharded if self.param_dtype == self.master_dtype else self.sharded.to(self.param_dtype)
+        work = dist.all_gather_single(self._gather_target, source, group=self.shard_group, async_op=async_op)
+        self.stats.all_gathers += 1
+        self.stats.all_gather_bytes += self.unsharded.numel() * self.unsharded.element_size()
+        self._pending_unshard = _PendingCollective(work, started, source)
+        if not async_op:
+            self.wait_unshard()
+
+    def wait_unshard(self) -> None:
+        if self._pending_unshard is not None:
+            self.stats.all_gather_seconds += self._pending_unshard.wait()
+            self._pending_unshard = None
+
+    def reshard(self) -> None:
+        """Free the unsharded buffer; the parameter views stay valid for the next unshard."""
+        self.wait_unshard()
+        _free(self.unsharded)
+
+    # --------------------------------------------------------------- gradients
+    @property
+    def has_unsharded_grad(self) -> bool:
+        return _is_allocated(self.unsharded_grad)
+
+    def prepare_unsharded_grad(self) -> None:
+        """Allocate and zero the gradient buffer once, and point every ``param.grad`` into it."""
+        if self.has_unsharded_grad:
+            return
+        _allocate(self.unsharded_grad, self._unsharded_bytes)
+        self.unsharded_grad.zero_()
+        for name, param in self.unsharded_params.items():
+            if param.requires_grad:
+                param.grad = self._unsharded_grad_views[name]
+
+    def owns_unsharded_grad(self, name: str) -> bool:
+        """True when autograd accumulated into our view (not a tensor of its own)."""
+        return self.unsharded_params[name].grad is self._unsharded_grad_views[name]
+
+    def adopt_unsharded_grad(self, name: str) -> None:
+        """Fallback for a gradient autograd produced before the buffer existed: add it in."""
+        param = self.unsharded_params[name]
+        stray = param.grad
+        self.prepare_unsharded_grad()
+        if stray is not None and stray is not self._unsharded_grad_views[name]:
+            self._unsharded_grad_views[name].add_(stray)
+        param.grad = self._unsharded_grad_views[name]
+
+    def reduce_grad(self, async_op: bool = True) -> None:
+        """Sum the flat gradient buffer over the shard group, in place (all-reduce) or into S (reduce-scatter)."""
+        started = time.perf_counter()
+        full = self.unsharded_grad
+        if self.reduce_dtype != self.param_dtype:
+            full = full.to(self.reduce_dtype)
+            self.free_unsharded_grad()
+        if self.reduce_mode == "all_reduce":
+            work = dist.all_reduce(full, group=self.shard_group, async_op=async_op)
+            own_segment = full[self.segment]
+        else:
+            own_segment = torch.empty(self.layout.segment_size, dtype=self.reduce_dtype, device=self.device)
+            work = dist.reduce_scatter_single(own_segment, full, group=self.shard_group, async_op=async_op)
+        self.stats.reduces += 1
+        self.stats.reduce_bytes += full.numel() * full.element_size()
+        self._pending_reduce = _PendingCollective(work, started, full, own_segment)
+        if not async_op:
+            self.finish_reduce()
+
+    @property
+    def reduce_pending(self) -> bool:
+        return self._pending_reduce is not None
+
+    def finish_reduce(self) -> None:
+        """Wait for the reduction and write this rank's averaged segment into the sharded gradients."""
+        pending = self._pending_reduce
+        if pending is None:
+            return
+        self._pending_reduce = None
+        self.stats.reduce_seconds += pending.wait()
+        own_segment = pending.keep_alive[1]
+        divisor = self.world_size
+        if self.replicate_group is not None:
+            dist.all_reduce(own_segment, group=self.replicate_group)
+            divisor *= dist.get_world_size(self.replicate_group)
+        self._accumulate_sharded_grad(own_segment, 1.0 / divisor)
+        self.free_unsharded_grad()
+
+    def _accumulate_sharded_grad(self, own_segment: torch.Tensor, scale: float) -> None:
+        """One flat op: ``sharded_grad = scale·segment`` (fresh) or ``+=`` (accumulating).
+
+        A fresh write moves the segment into the persistent gradient in the same pass
+        that scales it, so taking the own segment costs no extra copy.
+        """
+        params = list(self.sharded_params.items())
+        fresh = all(param.grad is None for _, param in params)
+        if self.sharded_grad is None:
+            self.sharded_grad = torch.zeros(self.layout.segment_size, dtype=self.master_dtype, device=self.device)
+        if fresh:
+            torch.mul(own_segment, scale, out=self.sharded_grad)
+        else:
+            for name, param in params:
+                view = self.sharded_grad[self._sharded_grad_slices[name]]
+                if param.grad is None:
+                    view.zero_()
+                elif param.grad is not view and param.grad.data_ptr() != view.data_ptr():
+                    view.copy_(param.grad)
+            self.sharded_grad.add_(own_segment, alpha=scale)
+        for name, param in params:
+            if param.requires_grad:
+                param.grad = self.sharded_grad[self._sharded_grad_slices[name]]
+
+    def free_unsharded_grad(self) -> None:
+        """Detach the parameters' gradients from the buffer and free it."""
+        for param in self.unsharded_params.values():
+            param.grad = None
+        _free(self.unsharded_grad)
+
+    # ------------------------------------------------------------- full views
+    def gather_full(self) -> dict[str, torch.Tensor]:
+        """Full, original-shape copies of every parameter in master dtype (for state dicts)."""
+        full = torch.empty(self.world_size * self.layout.segment_size, dtype=self.master_dtype, device=self.device)
+        dist.all_gather_single(full, self.sharded, group=self.shard_group)
+        out = {}
+        for name, param in self.unsharded_params.items():
+            begin = self.layout.offsets[name]
+            out[name] = full[begin : begin + param.numel()].view(param.shape).clone()
+        return out
+
+    def load_full(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Copy this rank's pieces of full tensors into the sharded segment."""
+        with torch.no_grad():
+            for name, param in self.sharded_params.items():
+                start, end = param.ragged_shard.local_range
+                param.copy_(tensors[name].reshape(-1)[start:end])
+
+
+def _is_allocated(tensor: torch.Tensor) -> bool:
+    return tensor.untyped_storage().nbytes() > 0
+
+
+def _allocate(tensor: torch.Tensor, nbytes: int) -> None:
+    if tensor.untyped_storage().nbytes() != nbytes:
+        tensor.untyped_storage().resize_(nbytes)
+
+
+def _free(tensor: torch.Tensor) -> None:
+    if tensor.untyped_storage().nbytes() > 0:
+        tensor.untyped_storage().resize_(0)

@@ -1,0 +1,303 @@
+"""``fully_shard``: apply ragged, structure-aware FSDP to an ``nn.Module`` in place.
+
+Data flow per step (every group, ``reshard_after_forward=True``):
+
+forward pre-hook   all-gather the group's DBuffers into their unsharded buffers (or wait for
+                   the prefetch issued by the previous group) and prefetch the next group
+forward post-hook  free the unsharded buffer; hook the outputs for backward
+pre-backward       all-gather again, attach the flat gradient buffer, prefetch the group
+                   that ran before this one
+last gradient      reduce the flat gradient buffer asynchronously (at most one in flight),
+                   free the unsharded buffer
+end of backward    finish every reduction into the sharded gradients, reset
+
+The optimizer sees ``module.parameters()``: 1-D views into each rank's sharded segment,
+keyed by the original names, each carrying ``param.ragged_shard``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.utils._pytree import tree_flatten, tree_map
+
+from lightning_ragged.dbuffer import CommStats, DBuffer
+from lightning_ragged.granularity import GranularityPolicy, resolve_granularity
+from lightning_ragged.grouping import GroupSpec, plan_groups, split_into_buckets
+from lightning_ragged.planning import TensorSpec, plan
+from lightning_ragged.shard_group import ShardGroup
+
+DEFAULT_DBUFFER_SIZE = 256 * 2**20
+
+
+class RaggedFSDPState:
+    """Schedules the groups of one sharded model: hooks, prefetch, reductions, accumulation."""
+
+    def __init__(
+        self,
+        root: nn.Module,
+        groups: list[ShardGroup],
+        root_group: ShardGroup,
+        mp_policy: MixedPrecisionPolicy | None,
+        stats: CommStats,
+    ) -> None:
+        self.root = root
+        self.groups = groups
+        self.root_group = root_group
+        self.mp_policy = mp_policy
+        self.stats = stats
+        self.requires_gradient_sync = True
+        self.forward_order: list[ShardGroup] = []
+        self._in_backward = False
+        self._in_flight: list[ShardGroup] = []
+
+    @property
+    def all_groups(self) -> list[ShardGroup]:
+        return [*self.groups, self.root_group]
+
+    def buckets(self) -> Iterator[DBuffer]:
+        for group in self.all_groups:
+            yield from group.buckets
+
+    # ----------------------------------------------------------------- forward
+    def pre_forward(self, group: ShardGroup, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if not group.is_root and group not in self.forward_order:
+            self.forward_order.append(group)
+        group.use_unsharded()
+        if not self._in_backward:
+            self._prefetch(group, step=1)
+        return self._cast_inputs(args, kwargs)
+
+    def post_forward(self, group: ShardGroup, output: Any) -> None:
+        if torch.is_grad_enabled():
+            self._hook_backward(group, output)
+        if self._in_backward:
+            return  # a recomputation (activation checkpointing) inside backward
+        if group.reshard_after_forward or not torch.is_grad_enabled():
+            group.reshard()
+
+    def _hook_backward(self, group: ShardGroup, output: Any) -> None:
+        tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+        if tensors:
+            torch.autograd.graph.register_multi_grad_hook(tensors, lambda _: self.pre_backward(group), mode="any")
+
+    def _prefetch(self, group: ShardGroup, step: int) -> None:
+        """Start the all-gather of the group that runs ``step`` places after ``group``."""
+        if group.is_root or group not in self.forward_order:
+            return
+        index = self.forward_order.index(group) + step
+        if 0 <= index < len(self.forward_order):
+            self.forward_order[index].unshard(async_op=True)
+
+    def _cast_inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        policy = self.mp_policy
+        if policy is None or policy.param_dtype is None or not policy.cast_forward_inputs:
+            return args, kwargs
+
+        def cast(value: Any) -> Any:
+            if isinstance(value, torch.Tensor) and value.is_floating_point():
+                return value.to(policy.param_dtype)
+            return value
+
+        return tree_map(cast, args), tree_map(cast, kwargs)
+
+    # ---------------------------------------------------------------- backward
+    def pre_backward(self, group: ShardGroup) -> None:
+        if not self._in_backward:
+            self._in_backward = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+        if group.has_unsharded_grad and group.is_unsharded and (group.grads_ready or group._awaiting_grads):
+            return  # already prepared by an earlier output hook of this backward
+        group.prepare_backward()
+        self._prefetch(group, step=-1)
+
+    def grad_accumulated(self, group: ShardGroup, bucket: DBuffer, name: str, param: torch.Tensor) -> None:
+        if group.mark_grad_accumulated(bucket, name, param):
+            self._group_grads_done(group)
+
+    def _group_grads_done(self, group: ShardGroup) -> None:
+        if self.requires_gradient_sync:
+            self._finish_in_flight()
+            group.reduce_grad(async_op=True)
+            self._in_flight.append(group)
+        group.reshard()
+
+    def _finish_in_flight(self) -> None:
+        for group in self._in_flight:
+            group.finish_reduce()
+        self._in_flight.clear()
+
+    def _end_of_backward(self) -> None:
+        for group in self.all_groups:
+            if self.requires_gradient_sync and group.has_unsharded_grad and not group.reduce_pending:
+                self._finish_in_flight()
+                group.reduce_grad(async_op=True)
+                self._in_flight.append(group)
+        self._finish_in_flight()
+        for group in self.all_groups:
+            group.reshard()
+            group.grads_ready = False
+            group._awaiting_grads = set()
+        self._in_backward = False
+
+    # ------------------------------------------------------------------ public
+    def reshard(self) -> None:
+        """Free every unsharded buffer (e.g. after an evaluation forward that had no backward)."""
+        for group in self.all_groups:
+            group.reshard()
+
+
+def fully_shard(
+    module: nn.Module,
+    *,
+    process_group: dist.ProcessGroup | None = None,
+    shard_granularity: GranularityPolicy = "row",
+    block_rows: int = 128,
+    dbuffer_size: int = DEFAULT_DBUFFER_SIZE,
+    planning_algorithm: str = "optimal",
+    reshard_after_forward: bool = True,
+    mp_policy: MixedPrecisionPolicy | None = None,
+    group_modules: Sequence[GroupSpec] | None = None,
+    replicate_group: dist.ProcessGroup | None = None,
+    reduce_mode: str | None = None,
+    alignment: int = 1,
+) -> nn.Module:
+    """Shard ``module``'s parameters over ``process_group`` with ragged, structure-aware shards.
+
+    Works in place and returns ``module``. Every rank must hold the same initial
+    parameters (same seed). ``replicate_group`` (HSDP) additionally averages the
+    sharded gradients across replicas. ``reduce_mode`` overrides the per-backend
+    choice ("all_reduce" on gloo, "reduce_scatter" elsewhere).
+    """
+    if getattr(module, "_ragged_fsdp_state", None) is not None:
+        raise ValueError(f"{type(module).__name__} is already sharded by lightning_ragged.fully_shard")
+    if not dist.is_initialized():
+        raise RuntimeError("fully_shard needs torch.distributed initialized (e.g. dist.init_process_group('gloo'))")
+    world_size = dist.get_world_size(process_group)
+    stats = CommStats()
+    group_plans = plan_groups(module, group_modules, dbuffer_size)
+    param_dtype = mp_policy.param_dtype if mp_policy is not None else None
+    reduce_dtype = mp_policy.reduce_dtype if mp_policy is not None else None
+
+    slots_by_param: dict[int, list[tuple[nn.Module, str]]] = {}
+    for submodule in module.modules():
+        for attr, param in submodule._parameters.items():
+            if param is not None:
+                slots_by_param.setdefault(id(param), []).append((submodule, attr))
+
+    shard_groups = []
+    for group_plan in group_plans:
+        buckets, slots = [], []
+        for bucket_params in split_into_buckets(group_plan.params, dbuffer_size):
+            specs = [
+                TensorSpec(name, param.numel(), resolve_granularity(shard_granularity, name, param, block_rows))
+                for name, param in bucket_params
+            ]
+            layout = plan(specs, world_size, algorithm=planning_algorithm, alignment=alignment)
+            bucket = DBuffer(
+                layout,
+                bucket_params,
+                process_group,
+                param_dtype=param_dtype,
+                reduce_dtype=reduce_dtype,
+                replicate_group=replicate_group,
+                reduce_mode=reduce_mode,
+                stats=stats,
+            )
+            buckets.append(bucket)
+            for name, param in bucket_params:
+                slots += [(owner, attr, bucket, name) for owner, attr in slots_by_param[id(param)]]
+        shard_groups.append(ShardGroup(group_plan.name, group_plan.module, buckets, slots, reshard_after_forward))
+
+    *groups, root_group = shard_groups
+    state = RaggedFSDPState(module, groups, root_group, mp_policy, stats)
+    for group in shard_groups:
+        group.reshard()
+        _install_group_hooks(state, group, module)
+    module._ragged_fsdp_state = state
+    return module
+
+
+def _install_group_hooks(state: RaggedFSDPState, group: ShardGroup, root: nn.Module) -> None:
+    """Forward hooks on the modules that trigger the group; grad hooks on its full parameters."""
+
+    def pre_hook(_module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        return state.pre_forward(group, args, kwargs)
+
+    def post_hook(_module: nn.Module, _args: tuple, output: Any) -> None:
+        state.post_forward(group, output)
+
+    if group.is_root:
+        triggers = [root, *{id(owner): owner for owner, *_ in group.slots}.values()]
+        triggers = list({id(m): m for m in triggers}.values())
+    else:
+        triggers = [group.module]
+    for trigger in triggers:
+        trigger.register_forward_pre_hook(pre_hook, with_kwargs=True)
+        if trigger is root or not group.is_root:
+            trigger.register_forward_hook(post_hook)
+        else:
+            trigger.register_forward_hook(lambda _m, _a, output: state._hook_backward(group, output))
+    for bucket, name, param in group.unsharded_params():
+        if param.requires_grad:
+            param.register_post_accumulate_grad_hook(
+                lambda p, b=bucket, n=name: state.grad_accumulated(group, b, n, p)
+            )
+
+
+def get_state(module: nn.Module) -> RaggedFSDPState:
+    """The engine state ``fully_shard`` attached to ``module``."""
+    state = getattr(module, "_ragged_fsdp_state", None)
+    if state is None:
+        raise ValueError(f"{type(module).__name__} is not sharded; call lightning_ragged.fully_shard(module) first")
+    return state
+
+
+def set_requires_gradient_sync(module: nn.Module, requires_gradient_sync: bool) -> None:
+    """Turn the gradient reduction off (accumulate unsharded gradients locally) or back on."""
+    get_state(module).requires_gradient_sync = requires_gradient_sync
+
+
+@contextlib.contextmanager
+def no_sync(module: nn.Module) -> Iterator[None]:
+    """Backward passes inside accumulate into the unsharded gradient buffers with no collective."""
+    state = get_state(module)
+    previous = state.requires_gradient_sync
+    state.requires_gradient_sync = False
+    try:
+        yield
+    finally:
+        state.requires_gradient_sync = previous
+
+
+def _sharded_keys(module: nn.Module) -> dict[str, tuple[DBuffer, str]]:
+    """State-dict key of every sharded parameter -> (its DBuffer, its name in the DBuffer)."""
+    by_id = {id(p): (bucket, name) for bucket in get_state(module).buckets() for name, p in bucket.sharded_params.items()}
+    return {key: by_id[id(p)] for key, p in module.named_parameters(remove_duplicate=False) if id(p) in by_id}
+
+
+def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
+    """Full, original-shape tensors for every state-dict key, on every rank (collective)."""
+    keys = _sharded_keys(module)
+    gathered = {id(bucket): bucket.gather_full() for bucket in get_state(module).buckets()}
+    result = {}
+    for key, value in module.state_dict().items():
+        if key in keys:
+            bucket, name = keys[key]
+            value = gathered[id(bucket)][name]
+        result[key] = value
+    return result
+
+
+def load_full_state_dict(module: nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
+    """Copy this rank's pieces of full tensors (keys as in ``full_state_dict``) into the shards."""
+    per_bucket: dict[int, tuple[DBuffer, dict[str, torch.Tensor]]] = {}
+    for key, (bucket, name) in _sharded_keys(module).items():
+        per_bucket.setdefault(id(bucket), (bucket, {}))[1][name] = state_dict[key]
+    for bucket, tensors in per_bucket.values():
+        bucket.load_full(tensors)

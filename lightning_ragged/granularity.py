@@ -1,0 +1,50 @@
+"""The ``shard_granularity`` policy: where a parameter may be cut, in elements."""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Union
+
+import torch
+
+GranularityPolicy = Union[str, Callable[[str, torch.Tensor], int]]
+""""element" | "row" | "block" | "matrix", or ``(name, param) -> granularity in elements``."""
+
+POLICIES = ("element", "row", "block", "matrix")
+
+
+def row_numel(shape: torch.Size) -> int:
+    """Elements in one row: the product of all dims after the first (1 for 0-D/1-D)."""
+    return math.prod(shape[1:]) if len(shape) > 1 else 1
+
+
+def resolve_granularity(policy: GranularityPolicy, name: str, param: torch.Tensor, block_rows: int = 128) -> int:
+    """Granularity in elements for one parameter under ``policy``.
+
+    "row" keeps rows whole (``numel / shape[0]``), "block" keeps ``block_rows`` rows
+    whole (1-D tensors: ``block_rows`` elements), "matrix" keeps the whole tensor on
+    one rank. The result is capped at the tensor's size so tiny tensors stay valid.
+    """
+    numel = max(param.numel(), 1)
+    if callable(policy):
+        granularity = policy(name, param)
+        if not isinstance(granularity, int) or granularity < 1:
+            raise ValueError(
+                f"shard_granularity callable returned {granularity!r} for parameter {name!r}; "
+                "it must return a positive int (granularity in elements)"
+            )
+        return min(granularity, numel)
+    if policy == "element":
+        return 1
+    if policy == "row":
+        return min(row_numel(param.shape), numel)
+    if policy == "block":
+        if not isinstance(block_rows, int) or block_rows < 1:
+            raise ValueError(f"block_rows={block_rows!r} is invalid; pass a positive int such as 128")
+        return min(block_rows * row_numel(param.shape), numel)
+    if policy == "matrix":
+        return numel
+    raise ValueError(
+        f"shard_granularity={policy!r} is not supported; use one of {POLICIES} or a callable "
+        "(name, param) -> granularity in elements"
+    )

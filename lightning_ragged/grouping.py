@@ -1,0 +1,132 @@
+"""Which parameters form one FSDP group, and how a group splits into DBuffers.
+
+A group is unsharded as a whole right before its module runs. By default every child
+of the model's largest ``nn.ModuleList`` (the transformer blocks) is a group; without
+one, modules are picked by size so that no group exceeds ``dbuffer_size``. Whatever
+is left (embeddings, final norm, head, tied weights) forms the root group.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable, Sequence, Type, Union
+
+import torch
+from torch import nn
+
+from lightning_ragged.errors import DBufferAlignmentError
+
+GroupSpec = Union[Type[nn.Module], nn.Module]
+
+
+@dataclass
+class ParamGroupPlan:
+    """The parameters of one group: ``module`` runs them (None for the root group)."""
+
+    name: str
+    module: nn.Module | None
+    params: list[tuple[str, nn.Parameter]] = field(default_factory=list)
+
+
+def choose_group_modules(
+    root: nn.Module, group_modules: Sequence[GroupSpec] | None, dbuffer_size: int
+) -> list[tuple[str, nn.Module]]:
+    """Modules (other than ``root``) whose parameters each form one group, in module order."""
+    named = [(name, module) for name, module in root.named_modules() if module is not root]
+    if group_modules is not None:
+        classes = tuple(spec for spec in group_modules if isinstance(spec, type))
+        instances = {id(spec) for spec in group_modules if isinstance(spec, nn.Module)}
+        return [(name, m) for name, m in named if isinstance(m, classes) or id(m) in instances]
+    module_lists = [(name, m) for name, m in named if isinstance(m, nn.ModuleList) and len(m) > 0]
+    if module_lists:
+        list_name, largest = max(module_lists, key=lambda item: _param_bytes(item[1].parameters()))
+        return [(f"{list_name}.{index}", child) for index, child in enumerate(largest) if _has_params(child)]
+    return _size_groups(root, dbuffer_size)
+
+
+def _size_groups(root: nn.Module, dbuffer_size: int) -> list[tuple[str, nn.Module]]:
+    """Largest subtrees that fit in ``dbuffer_size``; parameters of bigger modules stay in the root."""
+    if _param_bytes(root.parameters()) <= dbuffer_size:
+        return []
+    chosen: list[tuple[str, nn.Module]] = []
+
+    def visit(prefix: str, module: nn.Module) -> None:
+        for child_name, child in module.named_children():
+            name = f"{prefix}{child_name}"
+            size = _param_bytes(child.parameters())
+            if size == 0:
+                continue
+            if size <= dbuffer_size:
+                chosen.append((name, child))
+            else:
+                visit(f"{name}.", child)
+
+    visit("", root)
+    return chosen
+
+
+def plan_groups(
+    root: nn.Module, group_modules: Sequence[GroupSpec] | None, dbuffer_size: int
+) -> list[ParamGroupPlan]:
+    """Assign every parameter to exactly one group; the root group (last) keeps the rest.
+
+    A parameter owned by several modules (a tied weight) goes to the innermost group
+    that contains all of its owners, so one all-gather serves every use of it.
+    """
+    _check_dbuffer_size(dbuffer_size)
+    groups = [ParamGroupPlan(name, module) for name, module in choose_group_modules(root, group_modules, dbuffer_size)]
+    groups.append(ParamGroupPlan("root", None))
+    owners_by_param: dict[int, list[str]] = {}
+    for module_name, module in root.named_modules(remove_duplicate=False):
+        for param in module._parameters.values():
+            if param is not None:
+                owners_by_param.setdefault(id(param), []).append(module_name)
+    group_prefixes = [(plan.name, plan) for plan in groups[:-1]]
+    for param_name, param in root.named_parameters():
+        owners = owners_by_param[id(param)]
+        target = groups[-1]
+        for prefix, plan in group_prefixes:
+            if all(owner == prefix or owner.startswith(prefix + ".") for owner in owners):
+                if target is groups[-1] or len(prefix) > len(target.name):
+                    target = plan
+        target.params.append((param_name, param))
+    return [plan for plan in groups if plan.params or plan.module is None]
+
+
+def split_into_buckets(
+    params: list[tuple[str, nn.Parameter]], dbuffer_size: int
+) -> list[list[tuple[str, nn.Parameter]]]:
+    """Consecutive runs of same-dtype parameters whose bytes fit in ``dbuffer_size``."""
+    buckets: list[list[tuple[str, nn.Parameter]]] = []
+    current: list[tuple[str, nn.Parameter]] = []
+    current_bytes = 0
+    for name, param in params:
+        size = param.numel() * param.element_size()
+        if size > dbuffer_size:
+            raise DBufferAlignmentError(
+                f"parameter {name!r} needs {size} bytes but dbuffer_size={dbuffer_size}; "
+                f"raise dbuffer_size to at least {size} bytes"
+            )
+        if current and (current_bytes + size > dbuffer_size or current[0][1].dtype != param.dtype):
+            buckets.append(current)
+            current, current_bytes = [], 0
+        current.append((name, param))
+        current_bytes += size
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+def _check_dbuffer_size(dbuffer_size: int) -> None:
+    if not isinstance(dbuffer_size, int) or isinstance(dbuffer_size, bool) or dbuffer_size <= 0:
+        raise DBufferAlignmentError(
+            f"dbuffer_size={dbuffer_size!r} must be a positive number of bytes, e.g. 256 * 2**20 (256 MiB)"
+        )
+
+
+def _param_bytes(params: Iterable[torch.Tensor]) -> int:
+    return sum(p.numel() * p.element_size() for p in params)
+
+
+def _has_params(module: nn.Module) -> bool:
+    return any(True for _ in module.parameters())

@@ -79,6 +79,7 @@ class DBuffer:
         replicate_group: dist.ProcessGroup | None = None,
         reduce_mode: str | None = None,
         stats: CommStats | None = None,
+        device: torch.device | None = None,
     ) -> None:
         self.layout = layout
         self.shard_group = shard_group
@@ -92,7 +93,9 @@ class DBuffer:
             raise ValueError(f"reduce_mode={reduce_mode!r} is not supported; use one of {REDUCE_MODES}")
         self.stats = stats if stats is not None else CommStats()
         first = params[0][1]
-        self.device = first.device
+        self.device = first.device if device is None else torch.device(device)
+        if self.device.type == "meta":
+            raise ValueError("parameters are on the meta device; pass fully_shard(..., device=...) to allocate shards")
         self.master_dtype = first.dtype
         self.param_dtype = param_dtype or self.master_dtype
         self.reduce_dtype = reduce_dtype or self.param_dtype
@@ -121,10 +124,11 @@ class DBuffer:
             for name, param in params:
                 start, end, offset = pieces.get(name, (0, 0, 0))
                 local = slice(offset, offset + end - start)
-                self.sharded[local].copy_(param.detach().reshape(-1)[start:end])
+                if not param.is_meta:
+                    self.sharded[local].copy_(param.detach().reshape(-1)[start:end])
                 sharded_param = nn.Parameter(self.sharded[local], requires_grad=param.requires_grad)
                 sharded_param.ragged_shard = RaggedShard(
-                    name, param.shape, layout.specs[name].granularity, layout.ranges(name), self.rank
+                    name, param.shape, layout.specs[name].granularity, layout.ranges(name), self.rank, shard_group
                 )
                 self.sharded_params[name] = sharded_param
                 self._sharded_grad_slices[name] = local

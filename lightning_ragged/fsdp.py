@@ -166,13 +166,15 @@ def fully_shard(
     replicate_group: dist.ProcessGroup | None = None,
     reduce_mode: str | None = None,
     alignment: int = 1,
+    device: torch.device | str | None = None,
 ) -> nn.Module:
     """Shard ``module``'s parameters over ``process_group`` with ragged, structure-aware shards.
 
     Works in place and returns ``module``. Every rank must hold the same initial
     parameters (same seed). ``replicate_group`` (HSDP) additionally averages the
     sharded gradients across replicas. ``reduce_mode`` overrides the per-backend
-    choice ("all_reduce" on gloo, "reduce_scatter" elsewhere).
+    choice ("all_reduce" on gloo, "reduce_scatter" elsewhere). ``device`` places the
+    buffers (required for a model on the meta device, whose shards start uninitialized).
     """
     if getattr(module, "_ragged_fsdp_state", None) is not None:
         raise ValueError(f"{type(module).__name__} is already sharded by lightning_ragged.fully_shard")
@@ -208,6 +210,7 @@ def fully_shard(
                 replicate_group=replicate_group,
                 reduce_mode=reduce_mode,
                 stats=stats,
+                device=device,
             )
             buckets.append(bucket)
             for name, param in bucket_params:

@@ -10,8 +10,8 @@ and checkpointing can reason about structure without talking to the engine.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Sequence
 
 import torch
 
@@ -30,6 +30,8 @@ class RaggedShard:
     granularity: int
     rank_ranges: tuple[tuple[int, int], ...]
     rank: int
+    process_group: Any = field(default=None, compare=False, repr=False)
+    """The shard group the ranges refer to (a ``torch.distributed.ProcessGroup``)."""
 
     @property
     def world_size(self) -> int:

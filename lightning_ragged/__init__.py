@@ -11,9 +11,11 @@ from lightning_ragged.fsdp import (
 )
 from lightning_ragged.planning import Layout, TensorSpec, plan
 from lightning_ragged.ragged_shard import RaggedShard
+from lightning_ragged.wrapper import FullyShardedDataParallel
 
 __all__ = [
     "DBufferAlignmentError",
+    "FullyShardedDataParallel",
     "Layout",
     "RaggedShard",
     "RaggedShardBoundaryViolation",

@@ -1,0 +1,344 @@
+"""fully_shard on 2 and 3 gloo ranks against single-process training and FSDP2.
+
+Every ``check_*`` function runs on all ranks of a shared worker pool; the single-
+process oracle is the same model trained on the concatenated global batch.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import lightning_ragged as lr
+from lightning_ragged.copy_accounting import CopyCounter
+from tests.models import TinyBlock, lm_loss, make_batches, make_model
+
+STEPS = 5
+BATCH = 6  # global batch: divisible by 2 and 3 ranks
+
+
+def _local(batch: torch.Tensor) -> torch.Tensor:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    per = batch.shape[0] // world
+    return batch[rank * per : (rank + 1) * per]
+
+
+def _max_diff(full: dict[str, torch.Tensor], reference: nn.Module) -> float:
+    expected = reference.state_dict()
+    assert full.keys() == expected.keys()
+    return max((full[key] - expected[key]).abs().max().item() for key in expected)
+
+
+def block_of_two_rows(name: str, param: torch.Tensor) -> int:
+    """A per-parameter policy: 2-row blocks for matrices, elements for the rest."""
+    return 2 * param.shape[1] if param.dim() == 2 else 1
+
+
+def check_training_matches_single_process(shard_kwargs: dict, accumulate: bool = False) -> dict:
+    """5 AdamW steps sharded vs the same model on one process; returns the max abs difference."""
+    data = make_batches(STEPS, BATCH)
+    reference = make_model()
+    reference_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    model = lr.fully_shard(make_model(), **shard_kwargs)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    state = lr.get_state(model)
+    reduces_per_step = []
+    for step in range(STEPS):
+        before = state.stats.reduces
+        local = _local(data[step])
+        if accumulate:
+            first, second = local.chunk(2)  # uneven at 2 ranks: weight each by its share
+            with lr.no_sync(model):
+                (lm_loss(model, first) * len(first) / len(local)).backward()
+            reduces_after_first = state.stats.reduces
+            (lm_loss(model, second) * len(second) / len(local)).backward()
+            assert reduces_after_first == before, "no_sync micro-batch issued a reduction"
+        else:
+            lm_loss(model, local).backward()
+        reduces_per_step.append(state.stats.reduces - before)
+        opt.step()
+        opt.zero_grad()
+        reference_loss = lm_loss(reference, data[step])
+        reference_loss.backward()
+        reference_opt.step()
+        reference_opt.zero_grad()
+    buckets = sum(len(group.buckets) for group in state.all_groups)
+    return {
+        "max_diff": _max_diff(lr.full_state_dict(model), reference),
+        "reduces_per_step": reduces_per_step,
+        "buckets": buckets,
+    }
+
+
+WORLD_SIZES = [2, 3]
+SHARDINGS = {
+    "element": dict(shard_granularity="element"),
+    "row": dict(shard_granularity="row"),
+    "block": dict(shard_granularity="block", block_rows=2),
+    "matrix": dict(shard_granularity="matrix"),
+    "callable": dict(shard_granularity=block_of_two_rows),
+    "row-greedy": dict(shard_granularity="row", planning_algorithm="greedy"),
+    "row-reduce-scatter": dict(shard_granularity="row", reduce_mode="reduce_scatter"),
+    "row-small-dbuffers": dict(shard_granularity="row", dbuffer_size=2100),
+    "row-keep-unsharded": dict(shard_granularity="row", reshard_after_forward=False),
+    "row-explicit-groups": dict(shard_granularity="row", group_modules=[TinyBlock]),
+}
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+@pytest.mark.parametrize("sharding", list(SHARDINGS))
+def test_training_matches_single_process(dist_pool, world_size, sharding):
+    results = dist_pool(world_size).run(check_training_matches_single_process, SHARDINGS[sharding])
+    assert max(r["max_diff"] for r in results) <= 1e-5, results[0]
+    assert all(count == results[0]["buckets"] for count in results[0]["reduces_per_step"])
+    if sharding == "row-small-dbuffers":
+        assert results[0]["buckets"] > 3  # the small dbuffer_size really split groups into several buffers
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_no_sync_accumulation_matches_single_process(dist_pool, world_size):
+    results = dist_pool(world_size).run(check_training_matches_single_process, dict(shard_granularity="row"), True)
+    assert max(r["max_diff"] for r in results) <= 1e-5, results[0]
+
+
+def check_layout_views_and_names() -> dict:
+    """Names, shapes and storage: shards are views into the DBuffer and carry their RaggedShard."""
+    original = make_model()
+    names = [name for name, _ in original.named_parameters()]
+    shapes = {name: p.shape for name, p in original.named_parameters()}
+    model = lr.fully_shard(make_model(), shard_granularity="row")
+    state = lr.get_state(model)
+    sharded = dict(model.named_parameters())
+    assert list(sharded) == names
+    storages = {bucket.sharded.untyped_storage().data_ptr() for bucket in state.buckets()}
+    total_local = 0
+    for name, param in sharded.items():
+        shard = param.ragged_shard
+        assert shard.global_shape == shapes[name] and shard.name == name
+        assert param.dim() == 1 and param.numel() == shard.local_numel
+        assert param.untyped_storage().data_ptr() in storages
+        ranges = shard.rank_ranges
+        assert ranges[0][0] == 0 and ranges[-1][1] == shard.numel
+        row = shard.numel // shapes[name][0]
+        assert all(cut % row == 0 for cut in shard.cut_offsets()), f"{name} cut inside a row"
+        total_local += param.numel()
+    assert model.head.weight is model.embed.weight
+    return {"local": total_local, "segments": sum(b.layout.segment_size for b in state.buckets())}
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_layout_views_and_names(dist_pool, world_size):
+    results = dist_pool(world_size).run(check_layout_views_and_names)
+    total = sum(p.numel() for p in make_model().parameters())
+    assert sum(r["local"] for r in results) == total  # every element held by exactly one rank
+    assert all(r["segments"] == results[0]["segments"] for r in results)  # equal per-rank segments
+
+
+def check_memory_after_forward() -> dict:
+    """After forward only the root group may stay unsharded; after backward nothing does."""
+    model = lr.fully_shard(make_model(), shard_granularity="row")
+    state = lr.get_state(model)
+    loss = lm_loss(model, _local(make_batches(1, BATCH)[0]))
+    after_forward = {g.name: [b.is_unsharded for b in g.buckets] for g in state.groups}
+    root_after_forward = state.root_group.is_unsharded
+    loss.backward()
+    allocated_after_backward = [
+        (b.is_unsharded, b.has_unsharded_grad) for g in state.all_groups for b in g.buckets
+    ]
+    with torch.no_grad():
+        model(_local(make_batches(1, BATCH)[0])[:, :-1])
+    allocated_after_eval = [b.is_unsharded for b in state.buckets()]
+    return {
+        "after_forward": after_forward,
+        "root_after_forward": root_after_forward,
+        "after_backward": allocated_after_backward,
+        "after_eval": allocated_after_eval,
+    }
+
+
+def test_unsharded_buffers_freed(dist_pool):
+    result = dist_pool(2).run(check_memory_after_forward)[0]
+    assert result["after_forward"] and not any(any(v) for v in result["after_forward"].values())
+    assert result["root_after_forward"]  # kept for the backward that follows
+    assert not any(a or b for a, b in result["after_backward"])
+    assert not any(result["after_eval"])
+
+
+def _step_copy_bytes(model: nn.Module, batch: torch.Tensor) -> int:
+    with CopyCounter() as counter:
+        lm_loss(model, batch).backward()
+    return counter.total_bytes
+
+
+def check_copy_bytes_vs_fsdp2() -> dict:
+    """Copy-like bytes per training step beyond the model's own (unsharded baseline)."""
+    from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
+
+    batches = make_batches(3, BATCH)
+    baseline = _step_copy_bytes(make_model(), _local(batches[0]))
+    ragged = lr.fully_shard(make_model(), shard_granularity="row")
+    fsdp2 = make_model()
+    for block in fsdp2.blocks:
+        fsdp2_fully_shard(block)
+    fsdp2_fully_shard(fsdp2)
+    result = {"baseline": baseline, "ragged": [], "fsdp2": []}
+    for batch in batches[1:]:  # after a warm-up step
+        result["ragged"].append(_step_copy_bytes(ragged, _local(batch)) - baseline)
+        result["fsdp2"].append(_step_copy_bytes(fsdp2, _local(batch)) - baseline)
+    result["param_bytes"] = sum(p.numel() * p.element_size() for p in make_model().parameters())
+    return result
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_copy_bytes_are_a_small_fraction_of_fsdp2(dist_pool, world_size):
+    for result in dist_pool(world_size).run(check_copy_bytes_vs_fsdp2):
+        ragged, fsdp2 = result["ragged"][-1], result["fsdp2"][-1]
+        assert fsdp2 >= result["param_bytes"], result  # FSDP2 copies at least P per step (sanity of the counter)
+        assert ragged <= 0.10 * fsdp2, result
+
+
+def check_collectives_per_step() -> dict:
+    """One all-gather per group for forward, one per resharded group for backward, one reduction per group."""
+    model = lr.fully_shard(make_model(), shard_granularity="row")
+    state = lr.get_state(model)
+    lm_loss(model, _local(make_batches(1, BATCH)[0])).backward()
+    stats = state.stats
+    buffers = list(state.buckets())
+    return {
+        "all_gathers": stats.all_gathers,
+        "reduces": stats.reduces,
+        "groups": len(state.groups),
+        "buffers": len(buffers),
+        "all_gather_bytes": stats.all_gather_bytes,
+        "buffer_bytes": sum(b.unsharded.numel() * b.unsharded.element_size() for b in buffers),
+    }
+
+
+def test_collectives_per_step(dist_pool):
+    result = dist_pool(2).run(check_collectives_per_step)[0]
+    # each block group twice (forward + backward), root once (kept for backward)
+    assert result["all_gathers"] == 2 * result["groups"] + 1
+    assert result["reduces"] == result["buffers"]
+    non_root_bytes = result["all_gather_bytes"] - result["buffer_bytes"]
+    assert non_root_bytes > 0
+
+
+def check_mixed_precision() -> dict:
+    """bf16 compute and all-gather, fp32 reduction and master shards; tracks the fp32 run."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    model = lr.fully_shard(make_model(), mp_policy=policy)
+    reference = make_model()
+    state = lr.get_state(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    reference_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    data = make_batches(1, BATCH).expand(STEPS, -1, -1)  # one batch, repeated: the loss must fall
+    losses, reference_losses = [], []
+    for step in range(STEPS):
+        loss = lm_loss(model, _local(data[step]))
+        loss.backward()
+        losses.append(loss.item())
+        dtypes = {
+            "master": {b.sharded.dtype for b in state.buckets()},
+            "unsharded": {b.unsharded.dtype for b in state.buckets()},
+            "grads": {p.grad.dtype for p in model.parameters()},
+        }
+        opt.step()
+        opt.zero_grad()
+        reference_loss = lm_loss(reference, data[step])
+        reference_loss.backward()
+        reference_losses.append(reference_loss.item())
+        reference_opt.step()
+        reference_opt.zero_grad()
+    return {"losses": losses, "reference": reference_losses, "dtypes": dtypes}
+
+
+def test_mixed_precision_bf16(dist_pool):
+    results = dist_pool(2).run(check_mixed_precision)
+    dtypes = results[0]["dtypes"]
+    assert dtypes == {"master": {torch.float32}, "unsharded": {torch.bfloat16}, "grads": {torch.float32}}
+    for result in results:
+        mean_loss = [sum(r["losses"][i] for r in results) / len(results) for i in range(STEPS)]
+        assert max(abs(a - b) for a, b in zip(mean_loss, result["reference"])) < 0.05, (mean_loss, result)
+        assert mean_loss[-1] < mean_loss[0]
+
+
+def check_full_state_dict_round_trip() -> float:
+    """full_state_dict returns original shapes; load_full_state_dict writes them back into the shards."""
+    model = lr.fully_shard(make_model(), shard_granularity="element")
+    other = make_model(seed=5)
+    expected = other.state_dict()
+    lr.load_full_state_dict(model, expected)
+    full = lr.full_state_dict(model)
+    assert {k: v.shape for k, v in full.items()} == {k: v.shape for k, v in expected.items()}
+    return max((full[k] - expected[k]).abs().max().item() for k in expected)
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_full_state_dict_round_trip(dist_pool, world_size):
+    assert max(dist_pool(world_size).run(check_full_state_dict_round_trip)) == 0.0
+
+
+def check_wrapper_class() -> float:
+    """FullyShardedDataParallel trains like fully_shard and exposes no_sync/full_state_dict."""
+    data = make_batches(2, BATCH)
+    wrapped = lr.FullyShardedDataParallel(make_model(), shard_granularity="row")
+    reference = make_model()
+    opt = torch.optim.SGD(wrapped.parameters(), lr=0.1)
+    reference_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    assert all(name.startswith("module.") for name, _ in wrapped.named_parameters())
+    for step in range(2):
+        with wrapped.no_sync():
+            (lm_loss(wrapped, _local(data[step])[:1]) * 0).backward()  # contributes nothing, syncs nothing
+        wrapped.zero_grad()
+        lm_loss(wrapped, _local(data[step])).backward()
+        opt.step()
+        opt.zero_grad()
+        lm_loss(reference, data[step]).backward()
+        reference_opt.step()
+        reference_opt.zero_grad()
+    return _max_diff(wrapped.full_state_dict(), reference)
+
+
+def test_wrapper_class(dist_pool):
+    assert max(dist_pool(2).run(check_wrapper_class)) <= 1e-5
+
+
+def check_bad_arguments() -> list[str]:
+    messages = []
+    cases = [
+        dict(shard_granularity="diagonal"),
+        dict(dbuffer_size=0),
+        dict(dbuffer_size=64),
+        dict(planning_algorithm="fastest"),
+        dict(shard_granularity="block", block_rows=0),
+        dict(reduce_mode="broadcast"),
+    ]
+    for kwargs in cases:
+        try:
+            lr.fully_shard(make_model(), **kwargs)
+        except (ValueError, RuntimeError) as error:
+            messages.append(f"{type(error).__name__}: {error}")
+        else:
+            messages.append(f"no error for {kwargs}")
+    model = lr.fully_shard(make_model())
+    try:
+        lr.fully_shard(model)
+    except ValueError as error:
+        messages.append(str(error))
+    return messages
+
+
+def test_bad_arguments_get_clear_errors(dist_pool):
+    messages = dist_pool(2).run(check_bad_arguments)[0]
+    unknown, zero, small, algorithm, block_rows, mode, twice = messages
+    assert "shard_granularity='diagonal'" in unknown and "'row'" in unknown
+    assert zero.startswith("DBufferAlignmentError: DBuffer alignment error:") and "dbuffer_size=0" in zero
+    assert "DBuffer alignment error:" in small and "raise dbuffer_size to at least" in small
+    assert "fastest" in algorithm and "optimal" in algorithm
+    assert "block_rows=0" in block_rows
+    assert "reduce_mode='broadcast'" in mode
+    assert "already sharded" in twice

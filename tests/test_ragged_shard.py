@@ -1,0 +1,70 @@
+"""RaggedShard helpers and the granularity policy (pure, single process)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lightning_ragged import RaggedShardBoundaryViolation
+from lightning_ragged.granularity import resolve_granularity
+from lightning_ragged.ragged_shard import RaggedShard, flat_range_to_boxes
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    shape=st.lists(st.integers(1, 5), min_size=1, max_size=4),
+    data=st.data(),
+)
+def test_boxes_cover_exactly_the_flat_range(shape, data):
+    numel = math.prod(shape)
+    start = data.draw(st.integers(0, numel))
+    end = data.draw(st.integers(start, numel))
+    boxes = flat_range_to_boxes(shape, start, end)
+    assert len(boxes) <= 2 * len(shape) - 1
+    covered = torch.zeros(shape, dtype=torch.int32)
+    for offsets, sizes in boxes:
+        covered[tuple(slice(o, o + s) for o, s in zip(offsets, sizes))] += 1
+    expected = torch.zeros(numel, dtype=torch.int32)
+    expected[start:end] = 1
+    assert torch.equal(covered.reshape(-1), expected)
+
+
+def _shard(ranges, shape=(6, 4), rank=0):
+    return RaggedShard("w", torch.Size(shape), 1, tuple(ranges), rank)
+
+
+def test_owner_and_cuts():
+    whole = _shard([(0, 0), (0, 24), (24, 24)])
+    assert whole.owner() == 1 and whole.cut_offsets() == []
+    split = _shard([(0, 8), (8, 24)], rank=1)
+    assert split.owner() is None and split.cut_offsets() == [8]
+    assert split.local_range == (8, 24) and split.local_numel == 16
+    assert split.local_boxes() == [((2, 0), (4, 4))]
+
+
+def test_require_blocks_names_parameter_offset_and_fix():
+    split = _shard([(0, 12), (12, 24)])
+    split.require_blocks(4, "rows")  # cut at 12 is a row boundary
+    with pytest.raises(RaggedShardBoundaryViolation, match=r"^RaggedShard boundary violation: parameter 'w'.*offset 12.*block_rows"):
+        split.require_blocks(8, "8-bit blocks")
+
+
+def test_granularity_policy():
+    matrix = torch.empty(10, 6)
+    vector = torch.empty(300)
+    assert resolve_granularity("element", "m", matrix) == 1
+    assert resolve_granularity("row", "m", matrix) == 6
+    assert resolve_granularity("row", "v", vector) == 1
+    assert resolve_granularity("block", "m", matrix, block_rows=4) == 24
+    assert resolve_granularity("block", "m", matrix, block_rows=128) == 60  # capped at the tensor
+    assert resolve_granularity("block", "v", vector, block_rows=128) == 128
+    assert resolve_granularity("matrix", "m", matrix) == 60
+    assert resolve_granularity(lambda name, p: 12, "m", matrix) == 12
+    with pytest.raises(ValueError, match=r"shard_granularity='cols'.*'element'"):
+        resolve_granularity("cols", "m", matrix)
+    with pytest.raises(ValueError, match=r"returned 0 for parameter 'm'"):
+        resolve_granularity(lambda name, p: 0, "m", matrix)

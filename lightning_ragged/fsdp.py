@@ -75,13 +75,13 @@ class RaggedFSDPState:
 
     def post_forward(self, group: ShardGroup, output: Any) -> None:
         if torch.is_grad_enabled():
-            self._hook_backward(group, output)
+            self.hook_backward(group, output)
         if self._in_backward:
             return  # a recomputation (activation checkpointing) inside backward
         if group.reshard_after_forward or not torch.is_grad_enabled():
             group.reshard()
 
-    def _hook_backward(self, group: ShardGroup, output: Any) -> None:
+    def hook_backward(self, group: ShardGroup, output: Any) -> None:
         tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
         if tensors:
             torch.autograd.graph.register_multi_grad_hook(tensors, lambda _: self.pre_backward(group), mode="any")
@@ -111,7 +111,7 @@ class RaggedFSDPState:
         if not self._in_backward:
             self._in_backward = True
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
-        if group.has_unsharded_grad and group.is_unsharded and (group.grads_ready or group._awaiting_grads):
+        if group.backward_prepared:
             return  # already prepared by an earlier output hook of this backward
         group.prepare_backward()
         self._prefetch(group, step=-1)
@@ -140,9 +140,7 @@ class RaggedFSDPState:
                 self._in_flight.append(group)
         self._finish_in_flight()
         for group in self.all_groups:
-            group.reshard()
-            group.grads_ready = False
-            group._awaiting_grads = set()
+            group.end_backward()
         self._in_backward = False
 
     # ------------------------------------------------------------------ public
@@ -236,16 +234,17 @@ def _install_group_hooks(state: RaggedFSDPState, group: ShardGroup, root: nn.Mod
         state.post_forward(group, output)
 
     if group.is_root:
-        triggers = [root, *{id(owner): owner for owner, *_ in group.slots}.values()]
-        triggers = list({id(m): m for m in triggers}.values())
+        # The root group has no module of its own: any module holding one of its parameters
+        # (or the root's forward) unshards it; the root's forward end reshards it under no_grad.
+        owners = list({id(m): m for m in [root, *(owner for owner, *_ in group.slots)]}.values())
+        for owner in owners:
+            owner.register_forward_pre_hook(pre_hook, with_kwargs=True)
+            if owner is not root:
+                owner.register_forward_hook(lambda _m, _a, output: state.hook_backward(group, output))
+        root.register_forward_hook(post_hook)
     else:
-        triggers = [group.module]
-    for trigger in triggers:
-        trigger.register_forward_pre_hook(pre_hook, with_kwargs=True)
-        if trigger is root or not group.is_root:
-            trigger.register_forward_hook(post_hook)
-        else:
-            trigger.register_forward_hook(lambda _m, _a, output: state._hook_backward(group, output))
+        group.module.register_forward_pre_hook(pre_hook, with_kwargs=True)
+        group.module.register_forward_hook(post_hook)
     for bucket, name, param in group.unsharded_params():
         if param.requires_grad:
             param.register_post_accumulate_grad_hook(

@@ -34,6 +34,7 @@ class ShardGroup:
         self.reshard_after_forward = reshard_after_forward and module is not None
         self._awaiting_grads: set[int] = set()
         self.grads_ready = False
+        self.backward_prepared = False
 
     @property
     def is_root(self) -> bool:
@@ -81,6 +82,14 @@ class ShardGroup:
             bucket.prepare_unsharded_grad()
         self._awaiting_grads = {id(param) for _, _, param in self.unsharded_params() if param.requires_grad}
         self.grads_ready = not self._awaiting_grads
+        self.backward_prepared = True
+
+    def end_backward(self) -> None:
+        """Free the full parameters and forget this backward's bookkeeping."""
+        self.reshard()
+        self._awaiting_grads = set()
+        self.grads_ready = False
+        self.backward_prepared = False
 
     def mark_grad_accumulated(self, bucket: DBuffer, name: str, param: torch.Tensor) -> bool:
         """Record one parameter's finished gradient; True when the group's last one arrives."""

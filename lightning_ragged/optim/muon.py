@@ -1,0 +1,308 @@
+"""Muon on ragged shards: ``torch.optim.Muon``'s algorithm, Newton–Schulz on whole matrices.
+
+Per step, for every 2-D parameter with a gradient (all element-wise work on the local
+flat shard, exactly as ``torch.optim.Muon`` does it on the full tensor):
+
+1. ``buf.lerp_(grad, 1 - momentum)``; ``update = grad.lerp(buf, momentum)`` (nesterov) or ``buf``.
+2. Newton–Schulz (``torch.optim._muon._zeropower_via_newtonschulz``: 5 steps in bf16 with
+   coefficients (3.4445, −4.7750, 2.0315)) on the *whole* matrix:
+
+   * a matrix that lies whole in one rank's segment (``shard_granularity="matrix"``, or a
+     plan that happens to keep it whole) is orthogonalized by its owner — no collective;
+     the new values reach the other ranks through the next all-gather;
+   * a matrix split across ranks is sent to a root rank chosen by load balancing
+     (greedy, largest first, on Newton–Schulz FLOPs ≈ 5·(4a²b + 2a³) for a ≤ b, counting
+     the owned matrices' work too), orthogonalized there and its pieces sent back. All
+     split matrices of a shard group travel in **one** asynchronous ``all_to_all_single``
+     each way (uneven splits; works on gloo and NCCL), in bf16 — Newton–Schulz casts to
+     bf16 first, so sending bf16 is exact. The owners' Newton–Schulz runs while the gather
+     is in flight, and the roots apply their own pieces while the scatter is in flight.
+3. ``param.mul_(1 - lr·weight_decay)``; ``param.add_(O, alpha=-adjusted_lr)`` with
+   ``adjusted_lr`` from ``adjust_lr_fn`` ("original": √max(1, A/B); "match_rms_adamw":
+   0.2·√max(A, B)).
+
+Every rank must see the same parameters with gradients (true under ``fully_shard``: a
+reduced group sets every shard's ``.grad``, possibly empty) since roots and split sizes
+are derived from that list.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable
+
+import torch
+import torch.distributed as dist
+from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C, DEFAULT_NS_STEPS, EPS
+from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
+
+from lightning_ragged.optim.named_state import RaggedOptimizer
+from lightning_ragged.optim.shards import local_flat, shard_of
+from lightning_ragged.ragged_shard import RaggedShard
+
+NON_MUON_NAME_PARTS = ("embed", "wte", "wpe", "pos", "head", "lm_head", "output")
+"""Name fragments of 2-D parameters that the usual recipe gives to AdamW, not Muon."""
+
+
+def ns_flops(shape: Iterable[int], ns_steps: int = DEFAULT_NS_STEPS) -> int:
+    """Multiply-add FLOPs of Newton–Schulz on a matrix: per step X·Xᵀ (2a²b), B·B (2a³), B·X (2a²b)."""
+    a, b = sorted(int(d) for d in shape)
+    return ns_steps * (4 * a * a * b + 2 * a**3)
+
+
+def split_muon_params(
+    named_params: Iterable[tuple[str, torch.Tensor]] | torch.nn.Module,
+    non_muon: Iterable[str] = NON_MUON_NAME_PARTS,
+) -> tuple[list[tuple[str, torch.Tensor]], list[tuple[str, torch.Tensor]]]:
+    """Split parameters into (Muon: hidden 2-D matrices, AdamW: everything else).
+
+    A parameter goes to Muon when its *global* shape is 2-D (sharded parameters are 1-D
+    views; their ``ragged_shard.global_shape`` is used) and its name contains none of
+    ``non_muon`` (embeddings, positional tables, the output head). Given a module, the
+    weights of its ``nn.Embedding`` layers (and anything tied to them) also go to AdamW.
+    """
+    embedding_ids: set[int] = set()
+    if isinstance(named_params, torch.nn.Module):
+        embedding_ids = {
+            id(p) for m in named_params.modules() if isinstance(m, torch.nn.Embedding) for p in m.parameters()
+        }
+        named_params = named_params.named_parameters()
+    parts = tuple(non_muon)
+    muon, other = [], []
+    for name, param in named_params:
+        is_matrix = len(shard_of(param, name).global_shape) == 2
+        hidden = is_matrix and id(param) not in embedding_ids and not any(part in name for part in parts)
+        (muon if hidden else other).append((name, param))
+    return muon, other
+
+
+@dataclass
+class _Job:
+    """One matrix in this step."""
+
+    param: torch.Tensor
+    group: dict[str, Any]
+    shard: RaggedShard
+    update: torch.Tensor  # local flat momentum update (fp32)
+    root: int = -1  # rank (in its shard group) that runs Newton–Schulz
+    split: bool = False
+
+    def piece(self, rank: int) -> tuple[int, int]:
+        return self.shard.rank_ranges[rank]
+
+    def piece_numel(self, rank: int) -> int:
+        start, end = self.shard.rank_ranges[rank]
+        return end - start
+
+
+@dataclass
+class MuonPlan:
+    """Where each matrix's Newton–Schulz runs, per shard group, and the resulting FLOPs per rank."""
+
+    flops_per_rank: dict[int, list[int]] = field(default_factory=dict)  # shard group index -> FLOPs per rank
+    owned: int = 0
+    split: int = 0
+
+    def balance(self) -> float:
+        """max/mean Newton–Schulz FLOPs over the ranks of the (first) shard group; 1.0 is perfect."""
+        loads = next(iter(self.flops_per_rank.values()), [0])
+        mean = sum(loads) / len(loads)
+        return max(loads) / mean if mean else 1.0
+
+
+class Muon(RaggedOptimizer):
+    """``torch.optim.Muon`` for ragged-sharded (or plain) 2-D parameters; same arguments and defaults."""
+
+    def __init__(
+        self,
+        params: Any,
+        lr: float = 1e-3,
+        weight_decay: float = 0.1,
+        momentum: float = 0.95,
+        nesterov: bool = True,
+        ns_coefficients: tuple[float, float, float] = (DEFAULT_A, DEFAULT_B, DEFAULT_C),
+        eps: float = EPS,
+        ns_steps: int = DEFAULT_NS_STEPS,
+        adjust_lr_fn: str | None = None,
+    ) -> None:
+        if isinstance(lr, torch.Tensor) and lr.numel() != 1:
+            raise ValueError("Tensor lr must be 1-element")
+        if not 0.0 <= lr:
+            raise ValueError(f"Learning rate should be >= 0 but is: {lr}")
+        if not 0.0 <= momentum:
+            raise ValueError(f"momentum should be >= 0 but is: {momentum}")
+        if not 0.0 <= weight_decay:
+            raise ValueError(f"weight decay should be >= 0 but is: {weight_decay}")
+        if adjust_lr_fn is not None and adjust_lr_fn not in ("original", "match_rms_adamw"):
+            raise ValueError(f"Adjust learning rate function {adjust_lr_fn} is not supported")
+        defaults = dict(
+            lr=lr,
+            weight_decay=weight_decay,
+            momentum=momentum,
+            nesterov=nesterov,
+            ns_coefficients=ns_coefficients,
+            eps=eps,
+            ns_steps=ns_steps,
+            adjust_lr_fn=adjust_lr_fn,
+        )
+        super().__init__(params, defaults)
+        for group in self.param_groups:
+            for param in self._muon_params(group):
+                shape = tuple(self.shard(param).global_shape)
+                if len(shape) != 2:
+                    raise ValueError(
+                        f"Muon only supports 2-D parameters, but {self.param_name(param)!r} has global shape "
+                        f"{shape}; give embeddings, norms, biases and the output head to AdamW "
+                        "(lightning_ragged.optim.split_muon_params(model.named_parameters()) splits them)"
+                    )
+        self.last_plan: MuonPlan | None = None
+        self.newton_schulz: Callable[..., torch.Tensor] = _zeropower_via_newtonschulz
+
+    def state_layout(self, param: torch.Tensor) -> dict[str, str]:
+        return {"momentum_buffer": "flat"}
+
+    # -------------------------------------------------------------------- step
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._muon_step(self.param_groups)
+        return loss
+
+    def _muon_params(self, group: dict[str, Any]) -> list[torch.Tensor]:
+        return group["params"]
+
+    def _muon_step(self, groups: list[dict[str, Any]]) -> None:
+        jobs: list[_Job] = []
+        for group in groups:
+            momentum = group["momentum"]
+            for param in group["params"]:
+                if param.grad is None:
+                    continue
+                if torch.is_complex(param):
+                    raise RuntimeError("Muon does not support complex parameters")
+                if param.grad.is_sparse:
+                    raise RuntimeError("Muon does not support sparse gradients")
+                grad = local_flat(param.grad)
+                state = self.state[param]
+                if "momentum_buffer" not in state:
+                    state["momentum_buffer"] = torch.zeros_like(grad, memory_format=torch.preserve_format)
+                buf = state["momentum_buffer"]
+                buf.lerp_(grad, 1 - momentum)
+                update = grad.lerp(buf, momentum) if group["nesterov"] else buf
+                jobs.append(_Job(param, group, self.shard(param), update))
+        self.last_plan = self._assign_roots(jobs)
+        by_group: dict[int, list[_Job]] = {}
+        for job in jobs:
+            by_group.setdefault(id(job.shard.process_group), []).append(job)
+        for group_jobs in by_group.values():
+            self._step_shard_group(group_jobs)
+
+    def _assign_roots(self, jobs: list[_Job]) -> MuonPlan:
+        """Owners keep whole matrices; split ones go, largest first, to the least-loaded rank."""
+        plan = MuonPlan()
+        group_index: dict[int, int] = {}
+        for job in jobs:
+            key = group_index.setdefault(id(job.shard.process_group), len(group_index))
+            loads = plan.flops_per_rank.setdefault(key, [0] * job.shard.world_size)
+            owner = job.shard.owner()
+            if owner is not None:
+                job.root = owner
+                loads[owner] += ns_flops(job.shard.global_shape, job.group["ns_steps"])
+                plan.owned += 1
+        split = [job for job in jobs if job.root < 0]
+        order = sorted(range(len(split)), key=lambda i: (-ns_flops(split[i].shard.global_shape), i))
+        for index in order:
+            job = split[index]
+            loads = plan.flops_per_rank[group_index[id(job.shard.process_group)]]
+            job.root = min(range(len(loads)), key=lambda r: (loads[r], -job.piece_numel(r), r))
+            job.split = True
+            loads[job.root] += ns_flops(job.shard.global_shape, job.group["ns_steps"])
+            plan.split += 1
+        return plan
+
+    def _step_shard_group(self, jobs: list[_Job]) -> None:
+        me = jobs[0].shard.rank
+        world = jobs[0].shard.world_size
+        pg = jobs[0].shard.process_group
+        split = [job for job in jobs if job.split]
+        mine = [job for job in split if job.root == me]
+
+        # 1. Gather every split matrix's pieces to its root: one async all-to-all.
+        gather = None
+        if split:
+            send_chunks = [[] for _ in range(world)]
+            for job in split:
+                if job.root != me and job.update.numel():
+                    send_chunks[job.root].append(job.update.to(torch.bfloat16))
+            in_splits = [sum(c.numel() for c in chunks) for chunks in send_chunks]
+            out_splits = [0 if s == me else sum(job.piece_numel(s) for job in mine) for s in range(world)]
+            send = torch.cat([c for chunks in send_chunks for c in chunks]) if any(in_splits) else _empty_bf16(jobs)
+            received = torch.empty(sum(out_splits), dtype=torch.bfloat16, device=send.device)
+            gather = (dist.all_to_all_single(received, send, out_splits, in_splits, group=pg, async_op=True), send)
+
+        # 2. Meanwhile: whole matrices on their owner, and weight decay everywhere.
+        for job in jobs:
+            group = job.group
+            local_flat(job.param).mul_(1 - group["lr"] * group["weight_decay"])
+            if not job.split and job.root == me and job.update.numel():
+                ortho = self._orthogonalize(job, job.update.view(job.shard.global_shape))
+                local_flat(job.param).add_(ortho.reshape(-1), alpha=-self._adjusted_lr(job))
+        if not split:
+            return
+
+        # 3. Roots: assemble, orthogonalize, send the pieces back (one async all-to-all).
+        gather[0].wait()
+        cursor = 0
+        fulls: dict[int, torch.Tensor] = {}
+        for job in mine:
+            fulls[id(job)] = torch.empty(job.shard.numel, dtype=torch.bfloat16, device=job.update.device)
+        for source in range(world):
+            if source == me:
+                continue
+            for job in mine:
+                start, end = job.piece(source)
+                fulls[id(job)][start:end] = received[cursor : cursor + end - start]
+                cursor += end - start
+        results: dict[int, torch.Tensor] = {}
+        for job in mine:
+            full = fulls[id(job)]
+            start, end = job.piece(me)
+            full[start:end] = job.update
+            results[id(job)] = self._orthogonalize(job, full.view(job.shard.global_shape)).reshape(-1)
+        back_chunks = [
+            [results[id(job)][job.piece(dest)[0] : job.piece(dest)[1]] for job in mine] if dest != me else []
+            for dest in range(world)
+        ]
+        send_back = torch.cat([c for chunks in back_chunks for c in chunks]) if any(out_splits) else _empty_bf16(jobs)
+        received_back = torch.empty(sum(in_splits), dtype=torch.bfloat16, device=send_back.device)
+        scatter = dist.all_to_all_single(received_back, send_back, in_splits, out_splits, group=pg, async_op=True)
+        for job in mine:
+            start, end = job.piece(me)
+            local_flat(job.param).add_(results[id(job)][start:end], alpha=-self._adjusted_lr(job))
+        scatter.wait()
+        cursor = 0
+        for root in range(world):
+            for job in split:
+                if job.root == root and root != me and job.update.numel():
+                    numel = job.update.numel()
+                    local_flat(job.param).add_(received_back[cursor : cursor + numel], alpha=-self._adjusted_lr(job))
+                    cursor += numel
+
+    def _orthogonalize(self, job: _Job, matrix: torch.Tensor) -> torch.Tensor:
+        group = job.group
+        if matrix.dtype == torch.bfloat16 and matrix.data_ptr() == job.update.data_ptr():
+            matrix = matrix.clone()  # Newton–Schulz normalizes a bf16 input in place
+        return self.newton_schulz(matrix, group["ns_coefficients"], group["ns_steps"], group["eps"])
+
+    @staticmethod
+    def _adjusted_lr(job: _Job) -> float:
+        lr = job.group["lr"]
+        lr = lr.item() if isinstance(lr, torch.Tensor) else lr
+        return _adjust_lr(lr, job.group["adjust_lr_fn"], job.shard.global_shape)
+
+
+def _empty_bf16(jobs: list[_Job]) -> torch.Tensor:
+    return torch.empty(0, dtype=torch.bfloat16, device=jobs[0].update.device)

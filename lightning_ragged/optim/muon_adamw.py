@@ -1,0 +1,99 @@
+"""``MuonWithAuxAdamW``: the usual recipe — Muon on hidden matrices, AdamW on the rest — as ONE optimizer.
+
+Lightning's automatic optimization takes one optimizer, so ``configure_optimizers`` returns
+this with two param groups (``muon_param_groups(self)`` builds them)::
+
+    muon, adamw = split_muon_params(self)  # embeddings, head, norms, biases -> AdamW
+    return MuonWithAuxAdamW([
+        dict(params=[p for _, p in muon], use_muon=True, lr=0.02, weight_decay=0.1),
+        dict(params=[p for _, p in adamw], use_muon=False, lr=3e-3, weight_decay=0.01),
+    ])
+
+Groups with ``use_muon=True`` follow ``Muon`` (same keys and defaults); the others follow
+``torch.optim.AdamW`` (``lr``, ``betas``, ``eps``, ``weight_decay``; ``torch.optim.AdamW``'s
+single-tensor math, element-wise on the local shards, so any granularity works).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Iterable
+
+import torch
+
+from lightning_ragged.optim.muon import Muon, split_muon_params
+from lightning_ragged.optim.shards import local_flat
+
+ADAMW_DEFAULTS = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2)
+
+
+def muon_param_groups(
+    named_params: Iterable[tuple[str, torch.Tensor]] | torch.nn.Module,
+    muon: dict[str, Any] | None = None,
+    adamw: dict[str, Any] | None = None,
+) -> list[dict[str, Any]]:
+    """Two named param groups (Muon for hidden matrices, AdamW for the rest; see ``split_muon_params``)."""
+    muon_named, adamw_named = split_muon_params(named_params)
+    groups = []
+    for named, use_muon, extra in ((muon_named, True, muon), (adamw_named, False, adamw)):
+        if named:
+            groups.append(
+                dict(params=[p for _, p in named], param_names=[n for n, _ in named], use_muon=use_muon, **(extra or {}))
+            )
+    return groups
+
+
+class MuonWithAuxAdamW(Muon):
+    """Muon for groups with ``use_muon=True``, AdamW for the others, in one ``step()``."""
+
+    def __init__(self, param_groups: list[dict[str, Any]], **muon_defaults: Any) -> None:
+        groups = []
+        for group in param_groups:
+            if "use_muon" not in group:
+                raise ValueError("every param group of MuonWithAuxAdamW needs use_muon=True or use_muon=False")
+            group = dict(group)
+            if not group["use_muon"]:
+                for key, value in ADAMW_DEFAULTS.items():
+                    group.setdefault(key, value)
+            groups.append(group)
+        super().__init__(groups, **muon_defaults)
+
+    def _muon_params(self, group: dict[str, Any]) -> list[torch.Tensor]:
+        return group["params"] if group["use_muon"] else []
+
+    def state_layout(self, param: torch.Tensor) -> dict[str, str]:
+        return {"momentum_buffer": "flat", "step": "scalar", "exp_avg": "flat", "exp_avg_sq": "flat"}
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._muon_step([g for g in self.param_groups if g["use_muon"]])
+        for group in self.param_groups:
+            if not group["use_muon"]:
+                self._adamw_group(group)
+        return loss
+
+    def _adamw_group(self, group: dict[str, Any]) -> None:
+        beta1, beta2 = group["betas"]
+        lr = group["lr"]
+        for param in group["params"]:
+            if param.grad is None:
+                continue
+            flat, grad = local_flat(param), local_flat(param.grad)
+            state = self.state[param]
+            if not state:
+                state["step"] = torch.tensor(0.0)
+                state["exp_avg"] = torch.zeros_like(flat)
+                state["exp_avg_sq"] = torch.zeros_like(flat)
+            state["step"] += 1
+            step = state["step"].item()
+            flat.mul_(1 - lr * group["weight_decay"])
+            state["exp_avg"].lerp_(grad, 1 - beta1)
+            state["exp_avg_sq"].mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+            bias_correction1 = 1 - beta1**step
+            bias_correction2_sqrt = math.sqrt(1 - beta2**step)
+            denom = (state["exp_avg_sq"].sqrt() / bias_correction2_sqrt).add_(group["eps"])
+            flat.addcdiv_(state["exp_avg"], denom, value=-lr / bias_correction1)

@@ -1,0 +1,137 @@
+"""``RaggedOptimizer``: the base of the optimizers here — names, ragged metadata, named state dicts.
+
+``state_dict()`` keys each parameter's state by its original name (the name
+``fully_shard`` kept in ``param.ragged_shard.name``, or the name given through
+``named_parameters()``) and adds, per name, the ragged metadata a sharded
+checkpoint needs: the global shape, every rank's flat range, this rank's range and
+the layout of each state entry ("flat": one value per local element; "blocks:B": one
+value per block of B elements counted from the parameter's start; "tiles": a dict keyed
+by global tile coordinates; "scalar"). ``load_state_dict`` accepts this rank's own
+state or full (consolidated) state: a "flat" entry with the parameter's global numel
+and a "blocks" entry with one value per global block are sliced to this rank's range,
+and tiles this rank does not hold are ignored — so a consolidated optimizer state
+loads at another world size.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from lightning_ragged.optim.shards import shard_of
+from lightning_ragged.ragged_shard import RaggedShard
+
+
+class RaggedOptimizer(torch.optim.Optimizer):
+    """A ``torch.optim.Optimizer`` whose state is keyed by parameter names with ragged metadata."""
+
+    def __init__(self, params: Any, defaults: dict[str, Any]) -> None:
+        super().__init__(params, defaults)
+        self._param_names: dict[int, str] = {}
+        for group in self.param_groups:
+            names = group.get("param_names")
+            for index, param in enumerate(group["params"]):
+                shard = getattr(param, "ragged_shard", None)
+                if names:
+                    name = names[index]
+                elif shard is not None:
+                    name = shard.name
+                else:
+                    name = f"param_{len(self._param_names)}"
+                if name in self._param_names.values():
+                    raise ValueError(f"parameter name {name!r} appears twice in {type(self).__name__}'s param groups")
+                self._param_names[id(param)] = name
+
+    # ----------------------------------------------------------------- helpers
+    def param_name(self, param: torch.Tensor) -> str:
+        return self._param_names[id(param)]
+
+    def shard(self, param: torch.Tensor) -> RaggedShard:
+        return shard_of(param, self._param_names.get(id(param)))
+
+    def state_layout(self, param: torch.Tensor) -> dict[str, str]:
+        """Layout of each state entry of ``param`` ("flat", "blocks:B", "tiles", "scalar"); subclasses extend."""
+        return {}
+
+    def ragged_metadata(self, param: torch.Tensor) -> dict[str, Any]:
+        shard = self.shard(param)
+        return {
+            "global_shape": tuple(shard.global_shape),
+            "granularity": shard.granularity,
+            "rank": shard.rank,
+            "world_size": shard.world_size,
+            "local_range": tuple(shard.local_range),
+            "rank_ranges": tuple(tuple(r) for r in shard.rank_ranges),
+            "state_layout": self.state_layout(param),
+        }
+
+    # ------------------------------------------------------------- state dict
+    def state_dict(self) -> dict[str, Any]:
+        state: dict[str, Any] = {}
+        groups: list[dict[str, Any]] = []
+        ragged: dict[str, Any] = {}
+        for group in self.param_groups:
+            saved = {key: value for key, value in group.items() if key not in ("params", "param_names")}
+            saved["params"] = [self.param_name(p) for p in group["params"]]
+            groups.append(saved)
+            for param in group["params"]:
+                name = self.param_name(param)
+                ragged[name] = self.ragged_metadata(param)
+                if param in self.state and self.state[param]:
+                    state[name] = dict(self.state[param])
+        return {"state": state, "param_groups": groups, "ragged": ragged}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if "ragged" not in state_dict:
+            raise ValueError(
+                f"{type(self).__name__}.load_state_dict expects the named format of its own state_dict() "
+                "(keys 'state', 'param_groups', 'ragged')"
+            )
+        by_name = {self.param_name(p): p for group in self.param_groups for p in group["params"]}
+        saved_groups = state_dict["param_groups"]
+        if len(saved_groups) != len(self.param_groups):
+            raise ValueError(f"state has {len(saved_groups)} param groups, the optimizer {len(self.param_groups)}")
+        for saved, group in zip(saved_groups, self.param_groups):
+            mine = [self.param_name(p) for p in group["params"]]
+            if list(saved["params"]) != mine:
+                raise ValueError(f"param group mismatch: saved {list(saved['params'])}, optimizer has {mine}")
+            group.update({k: v for k, v in saved.items() if k not in ("params", "param_names")})
+        self.state.clear()
+        for name, entries in state_dict["state"].items():
+            if name not in by_name:
+                raise KeyError(f"optimizer state for unknown parameter {name!r}")
+            param = by_name[name]
+            layout = self.state_layout(param)
+            self.state[param] = {
+                key: self._localize(param, key, value, layout.get(key, "scalar")) for key, value in entries.items()
+            }
+
+    def _localize(self, param: torch.Tensor, key: str, value: Any, layout: str) -> Any:
+        """This rank's part of one saved state entry (own-range or full-size), on the parameter's device."""
+        shard = self.shard(param)
+        start, end = shard.local_range
+        if layout == "tiles":
+            return self.localize_tiles(param, value)
+        if not isinstance(value, torch.Tensor):
+            return value
+        value = value.to(param.device)
+        if layout == "flat":
+            if value.numel() == end - start:
+                return value.clone()
+            if value.numel() == shard.numel:
+                return value.reshape(-1)[start:end].clone()
+            raise ValueError(f"state {key!r} of {shard.name!r} has {value.numel()} values; expected {end - start} or {shard.numel}")
+        if layout.startswith("blocks:"):
+            block = int(layout.split(":", 1)[1])
+            first, last = start // block, math.ceil(end / block)
+            if value.numel() == last - first:
+                return value.clone()
+            if value.numel() == math.ceil(shard.numel / block):
+                return value[first:last].clone()
+            raise ValueError(f"state {key!r} of {shard.name!r} has {value.numel()} blocks; expected {last - first}")
+        return value.clone()
+
+    def localize_tiles(self, param: torch.Tensor, tiles: dict[str, Any]) -> dict[str, Any]:
+        raise NotImplementedError

@@ -1,0 +1,537 @@
+"""Plan report: what sharding a model with ``fully_shard`` would cost, before any GPU is rented.
+
+``python -m lightning_ragged.plan --config <config.json | llama3-70b | deepseek-v3 | gpt-oss-120b>
+--world-size N [--granularity row] [--replicate-degree R] [--plot padding.png] [--json]``
+
+For every distinct FSDP group of the model (one transformer block per group, identical
+blocks counted once; embeddings, final norm and head form the root group) it runs the
+same planner ``fully_shard`` runs (:func:`lightning_ragged.planning.plan`, granularity
+from :func:`lightning_ragged.granularity.resolve_granularity`) and prints the segment
+size S, the padding, the block cuts avoided and the plan time, then the per-rank memory
+estimate. "Block cuts avoided" counts the rank boundaries of an even flat split of the
+same group (FSDP1/ZeRO style: segments of ``ceil(total / ranks)``) that would fall
+inside a block of the chosen granularity; the ragged plan has none by construction.
+
+The model is read from a Hugging Face ``config.json`` (Llama/Mistral/Qwen2-style dense
+models, DeepSeek-V3, GPT-OSS) or a named preset; no weights are needed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+Shapes = list[tuple[str, tuple[int, ...]]]
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # Public config.json values of each model (only the fields the shapes need).
+    "llama3-70b": {
+        "model_type": "llama",
+        "hidden_size": 8192,
+        "intermediate_size": 28672,
+        "num_attention_heads": 64,
+        "num_key_value_heads": 8,
+        "num_hidden_layers": 80,
+        "vocab_size": 128256,
+        "tie_word_embeddings": False,
+    },
+    "deepseek-v3": {
+        "model_type": "deepseek_v3",
+        "hidden_size": 7168,
+        "intermediate_size": 18432,
+        "moe_intermediate_size": 2048,
+        "n_routed_experts": 256,
+        "n_shared_experts": 1,
+        "num_attention_heads": 128,
+        "q_lora_rank": 1536,
+        "kv_lora_rank": 512,
+        "qk_nope_head_dim": 128,
+        "qk_rope_head_dim": 64,
+        "v_head_dim": 128,
+        "num_hidden_layers": 61,
+        "first_k_dense_replace": 3,
+        "vocab_size": 129280,
+        "tie_word_embeddings": False,
+    },
+    "gpt-oss-120b": {
+        "model_type": "gpt_oss",
+        "hidden_size": 2880,
+        "intermediate_size": 2880,
+        "num_attention_heads": 64,
+        "head_dim": 64,
+        "num_key_value_heads": 8,
+        "num_local_experts": 128,
+        "num_hidden_layers": 36,
+        "vocab_size": 201088,
+        "attention_bias": True,
+        "tie_word_embeddings": False,
+    },
+}
+
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
+OPTIMIZER_STATE_BYTES = {
+    # bytes of optimizer state per parameter element
+    "adamw": 8.0,  # exp_avg + exp_avg_sq in fp32
+    "muon": 4.0,  # momentum buffer in fp32
+    "sgd": 4.0,  # momentum buffer
+    "adamw8bit": 2.0 + 2 * 4 / 256,  # two 8-bit states + an fp32 scale per 256-element block each
+    "none": 0.0,
+}
+GRANULARITIES = ("element", "row", "block", "matrix")
+
+
+@dataclass
+class GroupKind:
+    """One distinct FSDP group of a model and how many identical copies it has."""
+
+    name: str
+    count: int
+    shapes: Shapes
+
+
+@dataclass
+class ModelDescription:
+    name: str
+    groups: list[GroupKind] = field(default_factory=list)
+
+    @property
+    def total_params(self) -> int:
+        return sum(kind.count * sum(math.prod(shape) for _, shape in kind.shapes) for kind in self.groups)
+
+
+# ------------------------------------------------------------------------ model shapes
+def _attention(config: dict[str, Any]) -> Shapes:
+    hidden = config["hidden_size"]
+    heads = config["num_attention_heads"]
+    head_dim = config.get("head_dim") or hidden // heads
+    kv = config.get("num_key_value_heads", heads) * head_dim
+    q = heads * head_dim
+    if config.get("model_type") == "gpt_oss" or config.get("attention_bias"):
+        return [
+            ("q_proj.weight", (q, hidden)),
+            ("q_proj.bias", (q,)),
+            ("k_proj.weight", (kv, hidden)),
+            ("k_proj.bias", (kv,)),
+            ("v_proj.weight", (kv, hidden)),
+            ("v_proj.bias", (kv,)),
+            ("o_proj.weight", (hidden, q)),
+            ("o_proj.bias", (hidden,)),
+        ]
+    return [("q_proj", (q, hidden)), ("k_proj", (kv, hidden)), ("v_proj", (kv, hidden)), ("o_proj", (hidden, q))]
+
+
+def _dense_block(config: dict[str, Any], intermediate: Optional[int] = None) -> Shapes:
+    hidden = config["hidden_size"]
+    inter = intermediate or config["intermediate_size"]
+    return (
+        [("input_layernorm", (hidden,))]
+        + _attention(config)
+        + [
+            ("post_attention_layernorm", (hidden,)),
+            ("gate_proj", (inter, hidden)),
+            ("up_proj", (inter, hidden)),
+            ("down_proj", (hidden, inter)),
+        ]
+    )
+
+
+def _deepseek_attention(config: dict[str, Any]) -> Shapes:
+    hidden, heads = config["hidden_size"], config["num_attention_heads"]
+    q_rank, kv_rank = config["q_lora_rank"], config["kv_lora_rank"]
+    nope, rope, v = config["qk_nope_head_dim"], config["qk_rope_head_dim"], config["v_head_dim"]
+    return [
+        ("input_layernorm", (hidden,)),
+        ("q_a_proj", (q_rank, hidden)),
+        ("q_a_layernorm", (q_rank,)),
+        ("q_b_proj", (heads * (nope + rope), q_rank)),
+        ("kv_a_proj_with_mqa", (kv_rank + rope, hidden)),
+        ("kv_a_layernorm", (kv_rank,)),
+        ("kv_b_proj", (heads * (nope + v), kv_rank)),
+        ("o_proj", (hidden, heads * v)),
+        ("post_attention_layernorm", (hidden,)),
+    ]
+
+
+def _deepseek_moe_block(config: dict[str, Any], experts: str) -> Shapes:
+    hidden, inter, n = config["hidden_size"], config["moe_intermediate_size"], config["n_routed_experts"]
+    shared = config.get("n_shared_experts", 1) * inter
+    shapes = _deepseek_attention(config) + [
+        ("gate.weight", (n, hidden)),
+        ("shared_experts.gate_proj", (shared, hidden)),
+        ("shared_experts.up_proj", (shared, hidden)),
+        ("shared_experts.down_proj", (hidden, shared)),
+    ]
+    if experts == "fused":
+        return shapes + [("experts.gate_up_proj", (n, 2 * inter, hidden)), ("experts.down_proj", (n, hidden, inter))]
+    for expert in range(n):
+        shapes += [
+            (f"experts.{expert}.gate_proj", (inter, hidden)),
+            (f"experts.{expert}.up_proj", (inter, hidden)),
+            (f"experts.{expert}.down_proj", (hidden, inter)),
+        ]
+    return shapes
+
+
+def _gpt_oss_block(config: dict[str, Any], experts: str) -> Shapes:
+    hidden, inter, n = config["hidden_size"], config["intermediate_size"], config["num_local_experts"]
+    shapes = [("input_layernorm", (hidden,))] + _attention(config)
+    shapes += [
+        ("sinks", (config["num_attention_heads"],)),
+        ("post_attention_layernorm", (hidden,)),
+        ("router.weight", (n, hidden)),
+        ("router.bias", (n,)),
+    ]
+    if experts == "fused":
+        return shapes + [
+            ("experts.gate_up_proj", (n, hidden, 2 * inter)),
+            ("experts.gate_up_proj_bias", (n, 2 * inter)),
+            ("experts.down_proj", (n, inter, hidden)),
+            ("experts.down_proj_bias", (n, hidden)),
+        ]
+    for expert in range(n):
+        shapes += [
+            (f"experts.{expert}.gate_up_proj", (2 * inter, hidden)),
+            (f"experts.{expert}.gate_up_proj_bias", (2 * inter,)),
+            (f"experts.{expert}.down_proj", (hidden, inter)),
+            (f"experts.{expert}.down_proj_bias", (hidden,)),
+        ]
+    return shapes
+
+
+def describe_model(config: dict[str, Any], name: str = "model", experts: Optional[str] = None) -> ModelDescription:
+    """The FSDP groups of a Hugging Face-style config: one group per decoder block, plus the root group."""
+    model_type = config.get("model_type", "llama")
+    hidden, layers = config["hidden_size"], config["num_hidden_layers"]
+    description = ModelDescription(name)
+    if model_type == "deepseek_v3":
+        dense = min(config.get("first_k_dense_replace", 0), layers)
+        experts = experts or "separate"
+        if dense:
+            dense_shapes = _deepseek_attention(config)
+            inter = config["intermediate_size"]
+            dense_shapes += [("gate_proj", (inter, hidden)), ("up_proj", (inter, hidden)), ("down_proj", (hidden, inter))]
+            description.groups.append(GroupKind("layers (dense)", dense, dense_shapes))
+        if layers - dense:
+            description.groups.append(
+                GroupKind(f"layers (MoE, experts {experts})", layers - dense, _deepseek_moe_block(config, experts))
+            )
+    elif model_type == "gpt_oss":
+        experts = experts or "fused"
+        description.groups.append(GroupKind(f"layers (MoE, experts {experts})", layers, _gpt_oss_block(config, experts)))
+    elif "num_local_experts" in config or "num_experts" in config or "n_routed_experts" in config:
+        raise ValueError(
+            f"model_type {model_type!r}: mixture-of-experts configs other than deepseek_v3 and gpt_oss are not "
+            "described yet; pass a dense config or one of the presets"
+        )
+    else:
+        description.groups.append(GroupKind("layers", layers, _dense_block(config)))
+    root: Shapes = [("embed_tokens", (config["vocab_size"], hidden)), ("norm", (hidden,))]
+    if not config.get("tie_word_embeddings", False):
+        root.append(("lm_head", (config["vocab_size"], hidden)))
+    description.groups.append(GroupKind("root", 1, root))
+    return description
+
+
+def load_config(source: str) -> tuple[str, dict[str, Any]]:
+    """(name, config) of a preset name or a path to a ``config.json``."""
+    key = source.lower()
+    if key in PRESETS:
+        return key, dict(PRESETS[key])
+    path = Path(source)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.exists():
+        raise SystemExit(f"--config {source!r}: neither a preset ({', '.join(PRESETS)}) nor a config.json file")
+    config = json.loads(path.read_text())
+    config = config.get("text_config", config)  # multimodal configs nest the language model
+    return path.parent.name or path.stem, config
+
+
+# ------------------------------------------------------------------------- planning
+def granularity_of(policy: str, name: str, shape: tuple[int, ...], block_rows: int) -> int:
+    """The engine's granularity for a parameter of this shape (``resolve_granularity`` on a meta tensor)."""
+    import torch
+
+    from lightning_ragged.granularity import resolve_granularity
+
+    return resolve_granularity(policy, name, torch.empty(shape, device="meta"), block_rows)
+
+
+def block_cuts(specs: Sequence[Any], world_size: int) -> int:
+    """Rank boundaries of an even flat split (segments of ``ceil(total/world)``) that fall inside a block."""
+    total = sum(spec.numel for spec in specs)
+    if total == 0 or world_size <= 1:
+        return 0
+    segment = -(-total // world_size)
+    cuts, offset = 0, 0
+    for spec in specs:
+        start, end = offset, offset + spec.numel
+        first = start // segment + 1
+        for k in range(first, -(-end // segment)):
+            if (k * segment - start) % spec.granularity:
+                cuts += 1
+        offset = end
+    return cuts
+
+
+def plan_model(
+    description: ModelDescription,
+    shard_world: int,
+    granularity: str = "row",
+    block_rows: int = 128,
+    algorithm: str = "optimal",
+    alignment: int = 1,
+    dbuffer_size: Optional[int] = None,
+    master_bytes: int = 4,
+) -> list[dict[str, Any]]:
+    """Plan every distinct group; one dict per group kind with one entry per DBuffer."""
+    import torch
+    from torch import nn
+
+    from lightning_ragged.grouping import split_into_buckets
+    from lightning_ragged.planning import TensorSpec, plan
+
+    master = {4: torch.float32, 2: torch.bfloat16, 1: torch.float8_e4m3fn}[master_bytes]
+    results = []
+    for kind in description.groups:
+        params = [(name, nn.Parameter(torch.empty(shape, device="meta", dtype=master))) for name, shape in kind.shapes]
+        buckets = split_into_buckets(params, dbuffer_size) if dbuffer_size else [params]
+        planned = []
+        for bucket in buckets:
+            specs = [
+                TensorSpec(name, param.numel(), granularity_of(granularity, name, tuple(param.shape), block_rows))
+                for name, param in bucket
+            ]
+            started = time.perf_counter()
+            layout = plan(specs, shard_world, algorithm=algorithm, alignment=alignment)
+            seconds = time.perf_counter() - started
+            planned.append(
+                dict(
+                    tensors=len(specs),
+                    numel=layout.total_numel,
+                    segment_size=layout.segment_size,
+                    padding=layout.padding,
+                    padding_ratio=layout.padding_ratio,
+                    block_cuts_avoided=block_cuts(specs, shard_world),
+                    plan_seconds=seconds,
+                )
+            )
+        results.append(dict(group=kind.name, count=kind.count, buckets=planned))
+    return results
+
+
+def memory_estimate(
+    groups: list[dict[str, Any]], shard_world: int, master_bytes: int, param_bytes: int, optimizer: str
+) -> dict[str, float]:
+    """Per-rank bytes: sharded params, grads and optimizer states; the largest full group (params, grads)."""
+    segment_elements = sum(g["count"] * sum(b["segment_size"] for b in g["buckets"]) for g in groups)
+    largest = max(sum(b["segment_size"] * shard_world for b in g["buckets"]) for g in groups)
+    params = segment_elements * master_bytes
+    grads = segment_elements * master_bytes
+    states = segment_elements * OPTIMIZER_STATE_BYTES[optimizer]
+    unsharded = largest * param_bytes
+    # One group computing and the next one prefetched, plus one full gradient buffer in backward.
+    transient = 2 * unsharded + largest * param_bytes
+    return dict(
+        params=params,
+        grads=grads,
+        optimizer_states=states,
+        largest_unsharded_group=unsharded,
+        transient_peak=transient,
+        total=params + grads + states + transient,
+    )
+
+
+# ------------------------------------------------------------------------- output
+def _bytes(value: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            return f"{value:,.2f} {unit}" if unit != "B" else f"{int(value)} B"
+        value /= 1024
+    return str(value)
+
+
+def render_table(report: dict[str, Any]) -> str:
+    lines = [
+        f"{report['model']}: {report['total_params']:,} parameters; world size {report['world_size']:,}, "
+        f"replicate degree {report['replicate_degree']} -> sharded over {report['shard_world_size']:,} ranks; "
+        f"granularity {report['granularity']!r}"
+        + (f" ({report['block_rows']} rows)" if report["granularity"] == "block" else "")
+        + f"; planner {report['algorithm']!r}, alignment {report['alignment']}",
+        "",
+        "| group | count | DBuffer | tensors | parameters | segment S | padding | padding % | block cuts avoided "
+        "| plan s |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for group in report["groups"]:
+        for index, bucket in enumerate(group["buckets"]):
+            lines.append(
+                f"| {group['group']} | {group['count']} | {index} | {bucket['tensors']} | {bucket['numel']:,} "
+                f"| {bucket['segment_size']:,} | {bucket['padding']:,} | {bucket['padding_ratio']:.2%} "
+                f"| {bucket['block_cuts_avoided']:,} | {bucket['plan_seconds']:.3f} |"
+            )
+    memory = report["memory"]
+    lines += [
+        "",
+        f"Whole model: padding {report['padding_ratio']:.2%} of the parameters; "
+        f"{report['block_cuts_avoided']:,} block cuts avoided per step's layout; planning {report['plan_seconds']:.3f} s.",
+        "",
+        f"Per-rank memory estimate (master {report['master_dtype']}, compute {report['param_dtype']}, "
+        f"optimizer {report['optimizer']}; activations not included):",
+        f"  parameters (sharded)        {_bytes(memory['params'])}",
+        f"  gradients (sharded)         {_bytes(memory['grads'])}",
+        f"  optimizer states            {_bytes(memory['optimizer_states'])}",
+        f"  largest unsharded group     {_bytes(memory['largest_unsharded_group'])}",
+        f"  transient peak              {_bytes(memory['transient_peak'])}"
+        "  (2 full groups: computing + prefetched, and 1 full gradient buffer)",
+        f"  total                       {_bytes(memory['total'])}",
+    ]
+    return "\n".join(lines)
+
+
+def build_report(args: argparse.Namespace) -> dict[str, Any]:
+    name, config = load_config(args.config)
+    description = describe_model(config, name, args.experts)
+    if args.world_size % args.replicate_degree:
+        raise SystemExit(f"--replicate-degree {args.replicate_degree} must divide --world-size {args.world_size}")
+    shard_world = args.world_size // args.replicate_degree
+    master_bytes, param_bytes = DTYPE_BYTES[args.master_dtype], DTYPE_BYTES[args.param_dtype]
+    try:
+        groups = plan_model(
+            description,
+            shard_world,
+            args.granularity,
+            args.block_rows,
+            args.algorithm,
+            args.alignment,
+            args.dbuffer_size,
+            master_bytes,
+        )
+    except ValueError as error:  # e.g. a parameter larger than --dbuffer-size
+        raise SystemExit(f"cannot plan {name}: {error}") from None
+    weighted = [(g["count"], b) for g in groups for b in g["buckets"]]
+    numel = sum(count * b["numel"] for count, b in weighted)
+    return dict(
+        model=name,
+        total_params=description.total_params,
+        world_size=args.world_size,
+        replicate_degree=args.replicate_degree,
+        shard_world_size=shard_world,
+        granularity=args.granularity,
+        block_rows=args.block_rows,
+        algorithm=args.algorithm,
+        alignment=args.alignment,
+        master_dtype=args.master_dtype,
+        param_dtype=args.param_dtype,
+        optimizer=args.optimizer,
+        groups=groups,
+        padding_ratio=sum(count * b["padding"] for count, b in weighted) / numel,
+        block_cuts_avoided=sum(count * b["block_cuts_avoided"] for count, b in weighted),
+        plan_seconds=sum(b["plan_seconds"] for _, b in weighted),
+        memory=memory_estimate(groups, shard_world, master_bytes, param_bytes, args.optimizer),
+    )
+
+
+def padding_curve(
+    description: ModelDescription, world_sizes: Sequence[int], granularities: Sequence[str], **plan_kwargs: Any
+) -> dict[str, list[float]]:
+    """Whole-model padding ratio for every world size, per granularity."""
+    curves = {}
+    for granularity in granularities:
+        ratios = []
+        for world in world_sizes:
+            groups = plan_model(description, world, granularity, **plan_kwargs)
+            weighted = [(g["count"], b) for g in groups for b in g["buckets"]]
+            numel = sum(c * b["numel"] for c, b in weighted)
+            ratios.append(sum(c * b["padding"] for c, b in weighted) / numel)
+        curves[granularity] = ratios
+    return curves
+
+
+def plot_padding(report: dict[str, Any], description: ModelDescription, path: str, args: argparse.Namespace) -> str:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "--plot needs matplotlib: pip install 'lightning-ragged[plot]'"
+    world_sizes = [2**k for k in range(3, 15)]
+    granularities = ["element", "row", "block"]
+    curves = padding_curve(
+        description,
+        world_sizes,
+        granularities,
+        block_rows=args.block_rows,
+        algorithm=args.algorithm,
+        alignment=args.alignment,
+        dbuffer_size=args.dbuffer_size,
+        master_bytes=DTYPE_BYTES[args.master_dtype],
+    )
+    figure, axes = plt.subplots(figsize=(7, 4.2))
+    for granularity, ratios in curves.items():
+        label = f"{granularity} ({args.block_rows} rows)" if granularity == "block" else granularity
+        axes.plot(world_sizes, [100 * r for r in ratios], marker="o", label=label)
+    axes.set_xscale("log", base=2)
+    axes.set_yscale("symlog", linthresh=1.0)
+    axes.set_ylim(bottom=0)
+    axes.set_xlabel("ranks per shard group")
+    axes.set_ylabel("padding (% of parameters)")
+    axes.set_title(f"{report['model']}: planner padding vs world size (alignment {args.alignment})")
+    axes.grid(True, which="both", alpha=0.3)
+    axes.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return f"wrote {path}"
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m lightning_ragged.plan",
+        description="Plan report: per-group segment size, padding, block cuts avoided, plan time, memory per rank.",
+    )
+    p.add_argument("--config", required=True, help=f"a config.json (or its folder) or a preset: {', '.join(PRESETS)}")
+    p.add_argument("--world-size", type=int, required=True, help="data-parallel ranks in the job")
+    p.add_argument("--granularity", choices=GRANULARITIES, default="row", help="shard_granularity (default: row)")
+    p.add_argument("--block-rows", type=int, default=128, help="rows per block for --granularity block")
+    p.add_argument("--replicate-degree", type=int, default=1, help="HSDP replicas; shards over world/replicas ranks")
+    p.add_argument("--algorithm", choices=("optimal", "greedy"), default="optimal")
+    p.add_argument("--alignment", type=int, default=1, help="segment size multiple, in elements (fully_shard default 1)")
+    p.add_argument(
+        "--dbuffer-size",
+        type=int,
+        default=None,
+        help="split groups into DBuffers of at most this many bytes, as fully_shard(dbuffer_size=...) does "
+        "(default: one DBuffer per group)",
+    )
+    p.add_argument("--experts", choices=("fused", "separate"), default=None, help="MoE expert tensors (default: HF)")
+    p.add_argument("--master-dtype", choices=tuple(DTYPE_BYTES), default="fp32")
+    p.add_argument("--param-dtype", choices=tuple(DTYPE_BYTES), default="bf16", help="compute dtype (all-gathered)")
+    p.add_argument("--optimizer", choices=tuple(OPTIMIZER_STATE_BYTES), default="adamw")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--plot", metavar="PNG", help="also draw padding vs world size (needs matplotlib)")
+    return p
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = parser().parse_args(argv)
+    if args.world_size < 1 or args.replicate_degree < 1:
+        raise SystemExit("--world-size and --replicate-degree must be positive")
+    report = build_report(args)
+    print(json.dumps(report, indent=2) if args.json else render_table(report))
+    if args.plot:
+        name, config = load_config(args.config)
+        message = plot_padding(report, describe_model(config, name, args.experts), args.plot, args)
+        print(message, file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

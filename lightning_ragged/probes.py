@@ -1,0 +1,285 @@
+"""Probes on the engine's DBuffers: time blocked in collectives, buffer memory, engine copies, diagnostics.
+
+``probe(module)`` wraps, once per sharded module, the collective and allocation methods
+of every DBuffer with thin instance-level wrappers (the engine files are not changed).
+Each wrapper costs two ``perf_counter`` calls and a few integer updates; exceptions cost
+nothing until one is raised. A wrapper
+
+* adds the time the training thread spent *inside* the call (issuing a collective or
+  waiting for it) to ``blocked_*_seconds``; nested calls (``unshard`` waiting on itself)
+  count once. ``CommStats`` has the in-flight time (issue to completion), so the share of
+  communication hidden behind compute is ``1 - blocked / in_flight``;
+* tracks the bytes of unsharded parameter and gradient buffers alive right now and their
+  peak (``reset_peaks`` starts a new window);
+* counts the bytes the engine itself copies outside the collectives (the mixed-precision
+  casts before an all-gather and before a reduction; with fp32 buffers, zero);
+* numbers the collectives of each process group and turns a timeout, a dead peer or an
+  out-of-memory error into the named errors of ``diagnostics.py``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_ragged.dbuffer import DBuffer
+from lightning_ragged.fsdp import RaggedFSDPState, get_state
+
+_WRAPPED = (
+    "unshard",
+    "wait_unshard",
+    "reshard",
+    "reduce_grad",
+    "finish_reduce",
+    "prepare_unsharded_grad",
+    "free_unsharded_grad",
+)
+_instances = itertools.count()
+
+
+class BucketInfo:
+    """What a probe knows about one DBuffer: its group, its index in the group, its sizes."""
+
+    __slots__ = ("bucket", "group", "index", "label", "unsharded_bytes", "cast_bytes", "reduce_cast_bytes")
+
+    def __init__(self, bucket: DBuffer, group: str, index: int, buckets_in_group: int) -> None:
+        self.bucket = bucket
+        self.group = group
+        self.index = index
+        self.label = group if buckets_in_group == 1 else f"{group}#{index}"
+        element = torch.empty((), dtype=bucket.param_dtype).element_size()
+        self.unsharded_bytes = bucket.layout.buffer_numel * element
+        self.cast_bytes = bucket.layout.segment_size * element if bucket.param_dtype != bucket.master_dtype else 0
+        reduce_element = torch.empty((), dtype=bucket.reduce_dtype).element_size()
+        self.reduce_cast_bytes = (
+            bucket.layout.buffer_numel * reduce_element if bucket.reduce_dtype != bucket.param_dtype else 0
+        )
+
+
+class EngineProbe:
+    """Cumulative counters of one sharded module, fed by the DBuffer wrappers."""
+
+    def __init__(self, state: RaggedFSDPState) -> None:
+        self.state = state
+        self.buckets: list[BucketInfo] = []
+        for group in state.all_groups:
+            for index, bucket in enumerate(group.buckets):
+                self.buckets.append(BucketInfo(bucket, group.name, index, len(group.buckets)))
+        self.blocked_all_gather_seconds = 0.0
+        self.blocked_reduce_seconds = 0.0
+        self.engine_copy_bytes = 0
+        self.unsharded_bytes = sum(info.unsharded_bytes for info in self.buckets if info.bucket.is_unsharded)
+        self.unsharded_peak_bytes = self.unsharded_bytes
+        self.grad_bytes = sum(info.unsharded_bytes for info in self.buckets if info.bucket.has_unsharded_grad)
+        self.grad_peak_bytes = self.grad_bytes
+        self.step = 0
+        """Set by the caller (the Lightning callback sets the global step); named in diagnostics."""
+        self.collective_timeout: float | None = None
+        """Seconds, when known (the strategy's timeout); otherwise read from the backend's error."""
+        self.diagnostics = True
+        self._depth = 0
+        self._sequence: dict[str, int] = {}
+        self._pending_sequence: dict[tuple[int, str], int] = {}
+        self._instance = next(_instances)
+        self._originals: list[tuple[DBuffer, str, bool, Any]] = []
+        for info in self.buckets:
+            self._install(info)
+
+    # ------------------------------------------------------------ counters
+    def reset_peaks(self) -> None:
+        """Start a new window for the peak gauges (at the current level)."""
+        self.unsharded_peak_bytes = self.unsharded_bytes
+        self.grad_peak_bytes = self.grad_bytes
+
+    def group_key(self, bucket: DBuffer) -> str:
+        """A name of the bucket's process group that is the same on every member rank."""
+        group = bucket.shard_group if bucket.shard_group is not None else dist.group.WORLD
+        return f"{getattr(group, 'group_name', 'world')}.{self._instance}"
+
+    def _next_sequence(self, bucket: DBuffer, collective: str) -> None:
+        key = self.group_key(bucket)
+        number = self._sequence.get(key, 0) + 1
+        self._sequence[key] = number
+        self._pending_sequence[(id(bucket), collective)] = number
+
+    def pending_sequence(self, bucket: DBuffer, collective: str) -> int:
+        return self._pending_sequence.get((id(bucket), collective), 0)
+
+    # ------------------------------------------------------------ wrappers
+    def _install(self, info: BucketInfo) -> None:
+        bucket = info.bucket
+        for name in _WRAPPED:
+            had_own = name in bucket.__dict__
+            original = getattr(bucket, name)
+            self._originals.append((bucket, name, had_own, bucket.__dict__.get(name)))
+            setattr(bucket, name, getattr(self, f"_wrap_{name}")(info, original))
+
+    def remove(self) -> None:
+        """Restore the DBuffers' own methods."""
+        for bucket, name, had_own, previous in reversed(self._originals):
+            if had_own:
+                setattr(bucket, name, previous)
+            else:
+                bucket.__dict__.pop(name, None)
+        self._originals.clear()
+        if getattr(self.state, "_ragged_probe", None) is self:
+            del self.state._ragged_probe
+
+    def _fail(self, error: BaseException, info: BucketInfo, collective: str) -> BaseException:
+        if not self.diagnostics:
+            return error
+        from lightning_ragged import diagnostics
+
+        return diagnostics.translate(error, self, info, collective)
+
+    def _collective_name(self, bucket: DBuffer) -> str:
+        return "all_reduce" if bucket.reduce_mode == "all_reduce" else "reduce_scatter"
+
+    def _wrap_unshard(self, info: BucketInfo, original: Callable) -> Callable:
+        bucket = info.bucket
+
+        def unshard(async_op: bool = False) -> None:
+            if bucket.is_unsharded:
+                return original(async_op=async_op)
+            self._next_sequence(bucket, "all_gather")
+            outer = self._depth == 0
+            self._depth += 1
+            started = time.perf_counter()
+            try:
+                original(async_op=async_op)
+            except BaseException as error:  # noqa: BLE001 - re-raised, with a name when we recognise it
+                raise self._fail(error, info, "all_gather") from error
+            finally:
+                self._depth -= 1
+                if outer:
+                    self.blocked_all_gather_seconds += time.perf_counter() - started
+            self.engine_copy_bytes += info.cast_bytes
+            self.unsharded_bytes += info.unsharded_bytes
+            if self.unsharded_bytes > self.unsharded_peak_bytes:
+                self.unsharded_peak_bytes = self.unsharded_bytes
+
+        return unshard
+
+    def _wrap_wait_unshard(self, info: BucketInfo, original: Callable) -> Callable:
+        bucket = info.bucket
+
+        def wait_unshard() -> None:
+            if bucket._pending_unshard is None:
+                return original()
+            outer = self._depth == 0
+            self._depth += 1
+            started = time.perf_counter()
+            try:
+                original()
+            except BaseException as error:  # noqa: BLE001
+                raise self._fail(error, info, "all_gather") from error
+            finally:
+                self._depth -= 1
+                if outer:
+                    self.blocked_all_gather_seconds += time.perf_counter() - started
+
+        return wait_unshard
+
+    def _wrap_reshard(self, info: BucketInfo, original: Callable) -> Callable:
+        bucket = info.bucket
+
+        def reshard() -> None:
+            was = bucket.is_unsharded
+            original()
+            if was and not bucket.is_unsharded:
+                self.unsharded_bytes -= info.unsharded_bytes
+
+        return reshard
+
+    def _wrap_reduce_grad(self, info: BucketInfo, original: Callable) -> Callable:
+        bucket = info.bucket
+
+        def reduce_grad(async_op: bool = True) -> None:
+            collective = self._collective_name(bucket)
+            self._next_sequence(bucket, collective)
+            outer = self._depth == 0
+            self._depth += 1
+            started = time.perf_counter()
+            try:
+                original(async_op=async_op)
+            except BaseException as error:  # noqa: BLE001
+                raise self._fail(error, info, collective) from error
+            finally:
+                self._depth -= 1
+                if outer:
+                    self.blocked_reduce_seconds += time.perf_counter() - started
+            self.engine_copy_bytes += info.reduce_cast_bytes
+
+        return reduce_grad
+
+    def _wrap_finish_reduce(self, info: BucketInfo, original: Callable) -> Callable:
+        bucket = info.bucket
+
+        def finish_reduce() -> None:
+            if bucket._pending_reduce is None:
+                return original()
+            outer = self._depth == 0
+            self._depth += 1
+            started = time.perf_counter()
+            try:
+                original()
+            except BaseException as error:  # noqa: BLE001
+                raise self._fail(error, info, self._collective_name(bucket)) from error
+            finally:
+                self._depth -= 1
+                if outer:
+                    self.blocked_reduce_seconds += time.perf_counter() - started
+
+        return finish_reduce
+
+    def _wrap_prepare_unsharded_grad(self, info: BucketInfo, original: Callable) -> Callable:
+        bucket = info.bucket
+
+        def prepare_unsharded_grad() -> None:
+            was = bucket.has_unsharded_grad
+            try:
+                original()
+            except BaseException as error:  # noqa: BLE001
+                raise self._fail(error, info, "gradient buffer") from error
+            if not was and bucket.has_unsharded_grad:
+                self.grad_bytes += info.unsharded_bytes
+                if self.grad_bytes > self.grad_peak_bytes:
+                    self.grad_peak_bytes = self.grad_bytes
+
+        return prepare_unsharded_grad
+
+    def _wrap_free_unsharded_grad(self, info: BucketInfo, original: Callable) -> Callable:
+        bucket = info.bucket
+
+        def free_unsharded_grad() -> None:
+            was = bucket.has_unsharded_grad
+            original()
+            if was and not bucket.has_unsharded_grad:
+                self.grad_bytes -= info.unsharded_bytes
+
+        return free_unsharded_grad
+
+
+def probe(module: nn.Module | RaggedFSDPState) -> EngineProbe:
+    """The probe of a module sharded by ``fully_shard``, installed on first use (idempotent)."""
+    state = module if isinstance(module, RaggedFSDPState) else get_state(module)
+    existing = getattr(state, "_ragged_probe", None)
+    if existing is None:
+        existing = EngineProbe(state)
+        state._ragged_probe = existing
+    return existing
+
+
+def sharded_states(module: nn.Module) -> Iterator[RaggedFSDPState]:
+    """Every engine state in ``module``'s tree (the outermost sharded modules)."""
+    seen: set[int] = set()
+    for submodule in module.modules():
+        state = getattr(submodule, "_ragged_fsdp_state", None)
+        if state is not None and id(state) not in seen:
+            seen.add(id(state))
+            yield state

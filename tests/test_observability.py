@@ -1,0 +1,318 @@
+"""Observability: engine metrics, the Lightning callback and endpoint, the plan CLI, diagnostics.
+
+Engine checks run on the shared 2-rank gloo pool; the Lightning fit runs once as a
+2-process script (``tests/observability_fit.py``) whose results several tests read.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import socket
+import subprocess
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import lightning_ragged as lr
+from tests.models import lm_loss, make_batches, make_model
+
+ROOT = Path(__file__).resolve().parent.parent
+STEPS = 3
+BATCH = 4
+
+
+def _local(batch: torch.Tensor) -> torch.Tensor:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    per = batch.shape[0] // world
+    return batch[rank * per : (rank + 1) * per]
+
+
+def expected_traffic(state) -> dict:
+    """All-gather and reduce bytes/counts per step from the planned buffer sizes alone.
+
+    With ``reshard_after_forward=True`` every block group is gathered twice (forward, backward);
+    the root group stays unsharded from its forward to the end of backward (once). Every
+    DBuffer's flat gradient is reduced once.
+    """
+    gathers = gather_bytes = reduce_bytes = buckets = 0
+    for group in state.all_groups:
+        times = 1 if group.is_root else 2
+        for bucket in group.buckets:
+            size = bucket.layout.buffer_numel * bucket.unsharded.element_size()
+            gathers += times
+            gather_bytes += times * size
+            reduce_bytes += bucket.layout.buffer_numel * torch.empty((), dtype=bucket.reduce_dtype).element_size()
+            buckets += 1
+    return dict(all_gathers=gathers, all_gather_bytes=gather_bytes, reduces=buckets, reduce_bytes=reduce_bytes)
+
+
+def check_engine_metrics(mixed_precision: bool) -> dict:
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from lightning_ragged.metrics import EngineMetrics
+
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16) if mixed_precision else None
+    model = lr.fully_shard(make_model(), mp_policy=policy)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    metrics = EngineMetrics(model)
+    data = make_batches(STEPS, BATCH)
+    for step in range(STEPS):
+        lm_loss(model, _local(data[step])).float().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        metrics.end_step()
+    values = metrics.compute()
+    state = lr.get_state(model)
+    cast = sum(bucket.layout.segment_size * 2 for bucket in state.buckets()) if mixed_precision else 0
+    gathers_per_bucket = {id(b): (1 if g.is_root else 2) for g in state.all_groups for b in g.buckets}
+    expected = expected_traffic(state)
+    expected["engine_copy_bytes"] = sum(
+        gathers_per_bucket[id(b)] * b.layout.segment_size * 2 for b in state.buckets()
+    ) if mixed_precision else 0
+    layouts = [(b.layout.padding_ratio, b.layout.segment_size) for b in state.buckets()]
+    metrics.close()
+    assert "unshard" not in state.root_group.buckets[0].__dict__, "close() must restore the DBuffer methods"
+    return dict(values=values, expected=expected, layouts=layouts, cast=cast)
+
+
+@pytest.mark.parametrize("mixed_precision", [False, True], ids=["fp32", "bf16"])
+def test_engine_metrics_match_planned_buffers(dist_pool, mixed_precision):
+    results = dist_pool(2).run(check_engine_metrics, mixed_precision)
+    for result in results:
+        values, expected = result["values"], result["expected"]
+        for key, want in expected.items():
+            assert values[f"ragged_fsdp/{key}"] == pytest.approx(want), key
+        assert values["ragged_fsdp/step_seconds"] > 0
+        assert values["ragged_fsdp/all_gather_seconds"] > 0 and values["ragged_fsdp/reduce_seconds"] > 0
+        assert 0.0 <= values["ragged_fsdp/comm_hidden_ratio"] <= 1.0
+        assert values["ragged_fsdp/comm_blocked_seconds"] > 0
+        assert values["ragged_fsdp/dbuffer_unsharded_peak_bytes"] > 0
+        assert values["ragged_fsdp/dbuffer_grad_peak_bytes"] > 0
+        assert values["ragged_fsdp/dbuffer_sharded_grad_bytes"] == values["ragged_fsdp/dbuffer_sharded_bytes"] > 0
+        assert values["ragged_fsdp/process_peak_memory_bytes"] >= values["ragged_fsdp/process_memory_bytes"] > 2**20
+        assert values["ragged_fsdp/padding_ratio"] >= 0
+        assert values["ragged_fsdp/segment_size_max"] == max(s for _, s in result["layouts"])
+        assert values["ragged_fsdp/groups/root/segment_size"] in [s for _, s in result["layouts"]]
+        assert values["ragged_fsdp/groups/blocks.0/padding_ratio"] in [p for p, _ in result["layouts"]]
+
+
+# ----------------------------------------------------------------------------- diagnostics
+STALL_TIMEOUT_S = 2.0
+
+
+def check_stalled_rank_is_named() -> dict:
+    from lightning_ragged.diagnostics import CollectiveTimeoutError
+    from lightning_ragged.metrics import EngineMetrics
+
+    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=STALL_TIMEOUT_S))
+    model = lr.fully_shard(make_model(), process_group=group)
+    metrics = EngineMetrics(model)
+    metrics.set_step(7)
+    data = make_batches(1, BATCH)
+    if dist.get_rank() == 1:
+        time.sleep(STALL_TIMEOUT_S + 6)  # stalled: never reaches the first all-gather in time
+        return {}
+    started = time.monotonic()
+    try:
+        lm_loss(model, _local(data[0])).backward()
+    except CollectiveTimeoutError as error:
+        return dict(
+            seconds=time.monotonic() - started,
+            message=str(error),
+            missing=error.missing_ranks,
+            group=error.group,
+            collective=error.collective,
+            step=error.step,
+        )
+    return dict(seconds=time.monotonic() - started, message="no error")
+
+
+def test_stalled_rank_raises_named_timeout(dist_pool):
+    result = dist_pool(2).run(check_stalled_rank_is_named)[0]
+    assert result["message"] != "no error"
+    assert result["missing"] == [1]
+    assert result["collective"] == "all_gather" and result["group"] == "root" and result["step"] == 7
+    for words in ("all_gather", "'root'", "step 7", "ranks [1] did not arrive", f"within {STALL_TIMEOUT_S:g} s"):
+        assert words in result["message"]
+    assert result["seconds"] < STALL_TIMEOUT_S + 5, "the error must come within timeout + grace, not hang"
+
+
+def check_oom_at_unshard_is_named() -> str:
+    import lightning_ragged.dbuffer as dbuffer
+    from lightning_ragged.diagnostics import UnshardOutOfMemoryError
+    from lightning_ragged.probes import probe
+
+    model = lr.fully_shard(make_model())
+    probe(model).step = 3
+    original = dbuffer._allocate
+
+    def fail(tensor, nbytes):
+        raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate {nbytes} bytes")
+
+    dbuffer._allocate = fail
+    try:
+        model(make_batches(1, 2)[0])
+    except UnshardOutOfMemoryError as error:
+        assert error.group == "root" and error.buffer_bytes > 0
+        return str(error)
+    finally:
+        dbuffer._allocate = original
+    return "no error"
+
+
+def test_oom_during_unshard_names_group_and_knob(dist_pool):
+    message = dist_pool(2).run(check_oom_at_unshard_is_named)[0]
+    assert "out of memory while unsharding FSDP group 'root'" in message
+    assert "dbuffer_size" in message and "step 3" in message and "B (" in message
+
+
+# ------------------------------------------------------------------ Lightning fit (one run)
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def fit_run(tmp_path_factory):
+    """One 2-process ``Trainer.fit`` with the metrics callback and the endpoint (about 40 s)."""
+    out = tmp_path_factory.mktemp("fit") / "fit.json"
+    port = _free_port()
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "observability_fit.py"), str(out), str(port)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+def test_callback_logs_named_keys_with_planned_bytes(fit_run):
+    from tests.observability_fit import LOG_EVERY, STEPS
+
+    records = fit_run["records"]
+    assert [step for step, _ in records] == list(range(LOG_EVERY, STEPS + 1, LOG_EVERY))
+    buffers = fit_run["buffers"]
+    gather_bytes = sum(b["bytes"] * (1 if b["root"] else 2) for b in buffers)
+    reduce_bytes = sum(b["bytes"] for b in buffers)
+    logged_gather_total = 0.0
+    for _, values in records:
+        assert values["ragged_fsdp/all_gather_bytes"] == gather_bytes
+        assert values["ragged_fsdp/reduce_bytes"] == reduce_bytes
+        assert values["ragged_fsdp/all_gathers"] == sum(1 if b["root"] else 2 for b in buffers)
+        assert values["ragged_fsdp/reduces"] == len(buffers)
+        assert 0 < values["ragged_fsdp/comm_blocked_seconds"] < values["ragged_fsdp/step_seconds"]
+        assert 0.0 <= values["ragged_fsdp/comm_hidden_ratio"] <= 1.0
+        assert values["ragged_fsdp/engine_copy_bytes"] == 0  # fp32 DBuffers: zero-copy
+        assert values["ragged_fsdp/dbuffer_sharded_bytes"] == sum(b["bytes"] for b in buffers) / 2
+        assert values["ragged_fsdp/dbuffer_unsharded_peak_bytes"] >= max(b["bytes"] for b in buffers)
+        assert values["ragged_fsdp/process_peak_memory_bytes"] > 2**20
+        for b in buffers:
+            assert values[f"ragged_fsdp/groups/{b['group']}/segment_size"] == b["segment_size"]
+            assert values[f"ragged_fsdp/groups/{b['group']}/padding_ratio"] == pytest.approx(b["padding_ratio"])
+        logged_gather_total += values["ragged_fsdp/all_gather_bytes"] * LOG_EVERY
+    assert logged_gather_total == gather_bytes * STEPS  # planned buffer sizes x steps
+
+
+def test_endpoint_serves_health_and_metrics_during_fit_and_closes_after(fit_run):
+    seen = fit_run["seen"]
+    assert seen["health_status"] == 200
+    health = seen["health"]
+    assert health["status"] == "ok" and health["global_step"] == 3 and health["world_size"] == 2
+    assert health["ranks_reporting"] == [0, 1] and health["ranks_missing"] == []
+    assert 0 <= health["seconds_since_last_step"] < 30
+    assert seen["metrics_status"] == 200 and seen["metrics_content_type"].startswith("text/plain")
+    text = seen["metrics"]
+    for name in ("ragged_fsdp_all_gather_bytes_total", "ragged_fsdp_step_all_gather_bytes",
+                 "ragged_fsdp_step_comm_hidden_ratio", 'ragged_fsdp_group_segment_size{group="root"}',
+                 "ragged_fsdp_ranks_reporting 2.0", "ragged_fsdp_global_step 3.0"):
+        assert name in text, name
+    assert fit_run["after_fit"].startswith("closed")
+
+
+# ------------------------------------------------------------------------------ plan CLI
+def _planner_table():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import planner_table
+
+    return planner_table
+
+
+def test_plan_cli_preset_matches_plan_called_directly():
+    from lightning_ragged.granularity import resolve_granularity
+    from lightning_ragged.plan_cli import describe_model, PRESETS
+
+    done = subprocess.run(
+        [sys.executable, "-m", "lightning_ragged.plan", "--config", "llama3-70b", "--world-size", "1024", "--json"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    block = next(g for g in report["groups"] if g["group"] == "layers")
+    assert block["count"] == 80
+    # The same block, built independently from the planner benchmark's shapes, planned directly.
+    shapes = _planner_table().llama3_70b()
+    assert describe_model(PRESETS["llama3-70b"]).groups[0].shapes == shapes
+    specs = [
+        lr.TensorSpec(name, math.prod(shape), resolve_granularity("row", name, torch.empty(shape, device="meta")))
+        for name, shape in shapes
+    ]
+    layout = lr.plan(specs, 1024)
+    bucket = block["buckets"][0]
+    assert bucket["segment_size"] == layout.segment_size
+    assert bucket["padding"] == layout.padding
+    assert bucket["padding_ratio"] == pytest.approx(layout.padding_ratio)
+    assert report["memory"]["params"] == 4 * sum(
+        g["count"] * sum(b["segment_size"] for b in g["buckets"]) for g in report["groups"]
+    )
+
+
+def test_plan_cli_table_replicate_degree_and_shapes_of_other_presets(capsys):
+    from lightning_ragged.plan_cli import PRESETS, describe_model, main
+
+    table = _planner_table()
+    assert describe_model(PRESETS["gpt-oss-120b"]).groups[0].shapes == table.gpt_oss_120b()
+    assert describe_model(PRESETS["deepseek-v3"], experts="separate").groups[1].shapes == table.deepseek_v3_separate()
+    assert describe_model(PRESETS["deepseek-v3"], experts="fused").groups[1].shapes == table.deepseek_v3_fused()
+    assert main(["--config", "gpt-oss-120b", "--world-size", "64", "--replicate-degree", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "sharded over 16 ranks" in out and "| segment S |" in out and "block cuts avoided" in out
+    assert "optimizer states" in out and "largest unsharded group" in out
+
+
+def test_plan_cli_reads_a_transformers_config_json(tmp_path, capsys):
+    from lightning_ragged.plan_cli import main
+
+    config = dict(model_type="qwen2", hidden_size=64, intermediate_size=160, num_attention_heads=4,
+                  num_key_value_heads=2, num_hidden_layers=3, vocab_size=1000, tie_word_embeddings=True)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert main(["--config", str(tmp_path / "config.json"), "--world-size", "8", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert [g["group"] for g in report["groups"]] == ["layers", "root"]
+    assert report["groups"][0]["count"] == 3
+    assert report["total_params"] == 3 * (2 * 64 + 4 * 64 * 64 // 1 - 2 * 64 * 32 + 3 * 64 * 160) + 1000 * 64 + 64
+
+
+def test_plan_module_keeps_the_plan_function_callable():
+    import importlib
+
+    module = importlib.import_module("lightning_ragged.plan")
+    assert lr.plan is module or callable(lr.plan)
+    layout = lr.plan([lr.TensorSpec("w", 12, 3)], 2)
+    assert layout.segment_size == 6
+
+
+def test_plan_cli_plot(tmp_path):
+    pytest.importorskip("matplotlib")
+    from lightning_ragged.plan_cli import main
+
+    out = tmp_path / "padding.png"
+    assert main(["--config", "llama3-70b", "--world-size", "64", "--plot", str(out)]) == 0
+    assert out.stat().st_size > 10_000

@@ -9,17 +9,22 @@ from lightning_ragged.fsdp import (
     no_sync,
     set_requires_gradient_sync,
 )
+from lightning_ragged.grad_clip import clip_grad_norm_, clip_grad_value_
 from lightning_ragged.planning import Layout, TensorSpec, plan
 from lightning_ragged.ragged_shard import RaggedShard
+from lightning_ragged.registration import register_ragged_fsdp
 from lightning_ragged.wrapper import FullyShardedDataParallel
 
 __all__ = [
     "DBufferAlignmentError",
     "FullyShardedDataParallel",
     "Layout",
+    "RaggedFSDPStrategy",
     "RaggedShard",
     "RaggedShardBoundaryViolation",
     "TensorSpec",
+    "clip_grad_norm_",
+    "clip_grad_value_",
     "full_state_dict",
     "fully_shard",
     "get_state",
@@ -28,3 +33,16 @@ __all__ = [
     "plan",
     "set_requires_gradient_sync",
 ]
+
+# Lightning is imported only when the strategy is used (it costs seconds per process):
+# "ragged_fsdp" is registered as soon as Lightning's strategies module loads, and
+# `lightning_ragged.RaggedFSDPStrategy` (e.g. a LightningCLI class path) imports it on access.
+register_ragged_fsdp()
+
+
+def __getattr__(name: str):
+    if name == "RaggedFSDPStrategy":
+        from lightning_ragged.strategy import RaggedFSDPStrategy
+
+        return RaggedFSDPStrategy
+    raise AttributeError(f"module 'lightning_ragged' has no attribute {name!r}")

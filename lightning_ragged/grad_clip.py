@@ -1,0 +1,124 @@
+"""Gradient clipping on ragged shards: the true global norm, computed on the flat buffers.
+
+Each rank holds the reduced gradient of its own segment only, so a local
+``torch.nn.utils.clip_grad_norm_`` would clip by a *local* norm. Here every rank sums
+``|g|^p`` over its sharded gradient buffers (one flat op per DBuffer, padding is zero),
+the sums are all-reduced over the **shard group only** — under HSDP the replicas hold
+identical shards, so reducing over them too would count every element ``r`` times —
+and the clip coefficient scales the flat buffers in place.
+
+Works for plain ``fully_shard`` users as for the Lightning strategy::
+
+    loss.backward()
+    clip_grad_norm_(model, max_norm=1.0)
+    optimizer.step()
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterable, Union
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_ragged.dbuffer import DBuffer
+from lightning_ragged.fsdp import get_state
+
+ParamsOrModule = Union[nn.Module, torch.Tensor, Iterable[torch.Tensor]]
+
+
+def clip_grad_norm_(
+    parameters: ParamsOrModule,
+    max_norm: float,
+    norm_type: float = 2.0,
+    error_if_nonfinite: bool = False,
+) -> torch.Tensor:
+    """Scale gradients so that their global ``norm_type``-norm is at most ``max_norm``.
+
+    ``parameters`` is a module sharded by ``fully_shard`` (fast path: one norm and one
+    scale per DBuffer's flat gradient) or an iterable of parameters (sharded ones carry
+    ``param.ragged_shard``; parameters without it are treated as replicated on every
+    rank). Returns the total norm (fp32), the same on every rank, like
+    ``torch.nn.utils.clip_grad_norm_``. Collective: call it on every rank.
+    """
+    norm_type = float(norm_type)
+    groups = _grads_by_group(parameters)
+    total = _total_norm(groups, norm_type)
+    if error_if_nonfinite and not torch.isfinite(total):
+        raise RuntimeError(
+            f"the total norm of order {norm_type} of the gradients is non-finite ({total.item()}); "
+            "pass error_if_nonfinite=False to clip anyway"
+        )
+    coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for grads in groups.values():
+        for grad in grads:
+            grad.mul_(coefficient.to(grad.dtype))
+    return total
+
+
+def clip_grad_value_(parameters: ParamsOrModule, clip_value: float) -> None:
+    """Clamp every gradient element into ``[-clip_value, clip_value]`` (element-wise: no communication)."""
+    for grads in _grads_by_group(parameters).values():
+        for grad in grads:
+            grad.clamp_(min=-clip_value, max=clip_value)
+
+
+def _total_norm(groups: dict[object, list[torch.Tensor]], norm_type: float) -> torch.Tensor:
+    """Combine per-tensor norms: all-reduce each shard group's part, add the replicated part locally."""
+    device = next((g.device for grads in groups.values() for g in grads), torch.device("cpu"))
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    for key, grads in groups.items():
+        part = torch.zeros((), dtype=torch.float32, device=device)
+        grads = [g for g in grads if g.numel()]  # a rank may hold nothing of a parameter (ragged shards)
+        if grads:
+            norms = torch.stack([torch.linalg.vector_norm(g, norm_type, dtype=torch.float32) for g in grads])
+            part = norms.max() if math.isinf(norm_type) else norms.pow(norm_type).sum()
+        if key is not _REPLICATED:
+            op = dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
+            dist.all_reduce(part, op=op, group=None if key is _WORLD else key)
+        total = torch.maximum(total, part) if math.isinf(norm_type) else total + part
+    return total if math.isinf(norm_type) else total.pow(1.0 / norm_type)
+
+
+_REPLICATED = object()  # parameters every rank holds whole: counted once, locally
+_WORLD = object()  # sharded over the default process group
+
+
+def _group_key(process_group: dist.ProcessGroup | None) -> object:
+    return _WORLD if process_group is None else process_group
+
+
+def _grads_by_group(parameters: ParamsOrModule) -> dict[object, list[torch.Tensor]]:
+    if isinstance(parameters, nn.Module):
+        return _module_grads(parameters)
+    if isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
+    groups: dict[object, list[torch.Tensor]] = {}
+    for param in parameters:
+        if param.grad is None:
+            continue
+        shard = getattr(param, "ragged_shard", None)
+        key = _REPLICATED if shard is None else _group_key(shard.process_group)
+        groups.setdefault(key, []).append(param.grad)
+    return groups
+
+
+def _module_grads(module: nn.Module) -> dict[object, list[torch.Tensor]]:
+    """One flat gradient per DBuffer whose parameters' grads all live in it; single grads otherwise."""
+    groups: dict[object, list[torch.Tensor]] = {}
+    for bucket in get_state(module).buckets():
+        groups.setdefault(_group_key(bucket.shard_group), []).extend(_bucket_grads(bucket))
+    return groups
+
+
+def _bucket_grads(bucket: DBuffer) -> list[torch.Tensor]:
+    params = [p for p in bucket.sharded_params.values() if p.requires_grad]
+    grads = [p.grad for p in params if p.grad is not None]
+    flat = bucket.sharded_grad
+    if flat is not None and grads and len(grads) == len(params):
+        storage = flat.untyped_storage().data_ptr()
+        if all(g.untyped_storage().data_ptr() == storage for g in grads):
+            return [flat]  # every gradient is a view of the flat buffer (padding and frozen slices are zero)
+    return grads

@@ -1,0 +1,515 @@
+"""``RaggedFSDPStrategy``: ragged, structure-aware FSDP as a Lightning strategy.
+
+``Trainer(strategy="ragged_fsdp")`` (the name is registered on ``import lightning_ragged``)
+or ``Trainer(strategy=RaggedFSDPStrategy(...))``. Thin glue over the engine:
+
+* ``setup`` shards the LightningModule in place with ``fully_shard`` (parameter names
+  unchanged, so ``configure_optimizers`` can build parameter groups by name), after
+  optional composable activation checkpointing; a model built on the meta device
+  (``Trainer.init_module(empty_init=True)``) is materialized group by group
+  (``meta_init.py``).
+* ``training_step``/``validation_step``/... run through the module's ``forward`` hooks,
+  so the root group (embeddings, head, parameters owned by the LightningModule itself)
+  is unsharded for the whole step.
+* accumulation: ``block_backward_sync`` uses the engine's ``no_sync`` (no collective on
+  the non-final micro-batches) unless ``sync_grads_each_micro_batch=True``.
+* clipping and precision: ``precision.py``; HSDP: ``replicate_degree``.
+
+Checkpoints (``checkpoint.py``): sharded DCP directories by default (every rank writes only
+its own shards, atomically; any world size/granularity/planner loads them), or one
+ordinary file with ``state_dict_type="full"``; optional Zstandard compression and
+asynchronous saving. See docs/checkpoints.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Any, Generator, Literal, Mapping, Optional, Sequence, Union
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.distributed import (
+    _distributed_is_initialized,
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
+from lightning.fabric.utilities.distributed import group as _group
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.fabric.utilities.types import ReduceOp
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from lightning.pytorch.strategies.parallel import ParallelStrategy
+from lightning.pytorch.strategies.strategy import TBroadcast
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from torch import Tensor, nn
+from torch.optim import Optimizer
+
+import lightning.pytorch as pl
+from lightning_ragged.checkpoint import LightningCheckpointIO
+from lightning_ragged.fsdp import DEFAULT_DBUFFER_SIZE, fully_shard, get_state, no_sync
+from lightning_ragged.granularity import GranularityPolicy
+from lightning_ragged.meta_init import has_meta_tensors, materialize_meta_module
+from lightning_ragged.precision import to_ragged_precision
+
+ModuleSpec = Union[type, str]
+"""A module class, a dotted import path ``"pkg.mod.Class"``, or a bare class name matched in the model."""
+
+STATE_DICT_TYPES = ("sharded", "full")
+
+
+class RaggedFSDPStrategy(ParallelStrategy):
+    """Fully sharded data parallel with ragged, structure-aware shards (veScale-FSDP) for Lightning.
+
+    Args:
+        shard_granularity: where a parameter may be cut: ``"element"``, ``"row"`` (default),
+            ``"block"`` (``block_rows`` rows), ``"matrix"`` (never split), or a callable
+            ``(name, param) -> elements``.
+        block_rows: rows per block for ``shard_granularity="block"``.
+        dbuffer_size: the largest flat buffer (bytes) of one group; bigger groups are split.
+        planning_algorithm: the layout planner (``"optimal"`` by default; see ``planning.py``).
+        reshard_after_forward: free each group's full parameters after its forward (ZeRO-3)
+            or keep them until backward (ZeRO-2-like, more memory, one all-gather less).
+        group_modules: module classes (or names) whose instances each form one FSDP group;
+            default: the children of the model's largest ``nn.ModuleList``.
+        activation_checkpointing: module classes (or names) to wrap with the composable
+            activation checkpoint (parameter names do not change).
+        replicate_degree: HSDP. ``r`` shards inside groups of ``world/r`` consecutive ranks
+            and replicates across the ``r`` groups; ``"node"`` shards inside one node.
+            ``1`` (default) shards over all ranks.
+        state_dict_type: ``"sharded"`` (default): a checkpoint directory in which every rank
+            writes only its own shards (torch.distributed.checkpoint), loadable at any world
+            size; ``"full"``: one ordinary ``.ckpt`` file written by rank 0, streamed tensor by
+            tensor (never the whole model in memory).
+        checkpoint_compression: compress the shards with Zstandard (needs ``zstandard``).
+        async_checkpoint: write checkpoints in the background (training continues once the
+            shards are copied; the next save waits for the previous one).
+        sync_grads_each_micro_batch: with ``accumulate_grad_batches > 1``, reduce the
+            gradients after every micro-batch (less memory: no full-size gradient buffer
+            kept between micro-batches) instead of only after the last one (less traffic).
+        process_group_backend: ``"gloo"``, ``"nccl"``...; default by device.
+        timeout: process-group timeout.
+        **kwargs: forwarded to :func:`lightning_ragged.fully_shard` (e.g. ``reduce_mode``,
+            ``alignment``).
+    """
+
+    strategy_name = "ragged_fsdp"
+
+    def __init__(
+        self,
+        accelerator: Optional["pl.accelerators.Accelerator"] = None,
+        parallel_devices: Optional[list[torch.device]] = None,
+        cluster_environment: Optional[ClusterEnvironment] = None,
+        checkpoint_io: Optional[CheckpointIO] = None,
+        precision_plugin: Optional[Precision] = None,
+        *,
+        shard_granularity: GranularityPolicy = "row",
+        block_rows: int = 128,
+        dbuffer_size: int = DEFAULT_DBUFFER_SIZE,
+        planning_algorithm: str = "optimal",
+        reshard_after_forward: bool = True,
+        group_modules: Optional[Sequence[ModuleSpec]] = None,
+        activation_checkpointing: Optional[Sequence[ModuleSpec]] = None,
+        replicate_degree: Union[int, Literal["node"]] = 1,
+        state_dict_type: Literal["sharded", "full"] = "sharded",
+        checkpoint_compression: bool = False,
+        async_checkpoint: bool = False,
+        sync_grads_each_micro_batch: bool = False,
+        process_group_backend: Optional[str] = None,
+        timeout: Optional[timedelta] = default_pg_timeout,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
+        if state_dict_type not in STATE_DICT_TYPES:
+            raise ValueError(f"state_dict_type={state_dict_type!r} is not supported; use one of {STATE_DICT_TYPES}")
+        if not (replicate_degree == "node" or (isinstance(replicate_degree, int) and replicate_degree >= 1)):
+            raise ValueError(f"replicate_degree={replicate_degree!r} must be a positive int or 'node'")
+        self.shard_granularity = shard_granularity
+        self.block_rows = block_rows
+        self.dbuffer_size = dbuffer_size
+        self.planning_algorithm = planning_algorithm
+        self.reshard_after_forward = reshard_after_forward
+        self.group_modules = list(group_modules) if group_modules is not None else None
+        self.activation_checkpointing = list(activation_checkpointing) if activation_checkpointing else []
+        self.replicate_degree = replicate_degree
+        self.state_dict_type = state_dict_type
+        self.ragged_checkpoints = LightningCheckpointIO(state_dict_type, checkpoint_compression, async_checkpoint)
+        self.sync_grads_each_micro_batch = sync_grads_each_micro_batch
+        self._engine_kwargs = kwargs
+        self._process_group_backend = process_group_backend
+        self._timeout = timeout
+        self._num_nodes = 1
+        self._shard_group: Optional[dist.ProcessGroup] = None
+        self._replicate_group: Optional[dist.ProcessGroup] = None
+        self._created_groups: list[dist.ProcessGroup] = []
+        self._warned_sharded_checkpoint = False
+
+    # ------------------------------------------------------------- properties
+    @property
+    def is_distributed(self) -> bool:
+        """Lightning injects a ``DistributedSampler`` only for strategies that say so."""
+        return True
+
+    @property
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # Shard and replicate groups are both data parallel: every rank reads its own data.
+        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+
+    @property
+    def process_group_backend(self) -> Optional[str]:
+        return self._process_group_backend
+
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True
+
+    @property
+    def lightning_restore_optimizer(self) -> bool:
+        """The optimizer states are loaded (resharded) in ``load_checkpoint``."""
+        return False
+
+    @property
+    def shard_group(self) -> Optional[dist.ProcessGroup]:
+        """The group parameters are sharded over (``None``: the whole world)."""
+        return self._shard_group
+
+    @property
+    def replicate_group(self) -> Optional[dist.ProcessGroup]:
+        """The HSDP replica group (``None`` without HSDP)."""
+        return self._replicate_group
+
+    @property
+    def precision_plugin(self) -> Precision:
+        return self._precision_plugin if self._precision_plugin is not None else to_ragged_precision(Precision())
+
+    @precision_plugin.setter
+    def precision_plugin(self, precision_plugin: Optional[Precision]) -> None:
+        self._precision_plugin = to_ragged_precision(precision_plugin, type(self).__name__)
+
+    # --------------------------------------------------------------- launching
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        self._validate_cluster_settings()
+        # Always a launcher (as DDP): it also validates SLURM/torchrun settings when the
+        # cluster creates the processes, which Lightning skips for strategies without one.
+        self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+
+    def _validate_cluster_settings(self) -> None:
+        assert self.cluster_environment is not None
+        try:
+            self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
+        except ValueError as error:
+            raise ValueError(
+                f"{type(self).__name__}: the Trainer settings do not match the cluster allocation "
+                f"({type(self.cluster_environment).__name__}): {error}"
+            ) from None
+
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        reset_seed()
+        self.set_world_ranks()
+        self._process_group_backend = self._process_group_backend or _get_default_process_group_backend_for_device(
+            self.root_device
+        )
+        kwargs: dict[str, Any] = {"timeout": self._timeout}
+        kwargs["device_id"] = self.root_device if self.root_device.type != "cpu" else None
+        _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
+        self._build_process_groups()
+
+    def set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+
+    def _resolved_replicate_degree(self) -> int:
+        degree = self.num_nodes if self.replicate_degree == "node" else int(self.replicate_degree)
+        if self.world_size % degree:
+            raise ValueError(
+                f"replicate_degree={self.replicate_degree!r} ({degree}) must divide the world size "
+                f"{self.world_size} (num_nodes={self.num_nodes} x devices={self.num_processes})"
+            )
+        return degree
+
+    def _build_process_groups(self) -> None:
+        """HSDP: shard groups of ``world/r`` consecutive ranks, replicate groups across them."""
+        self._destroy_process_groups()
+        degree = self._resolved_replicate_degree()
+        if degree == 1:
+            return
+        world, shard_size = self.world_size, self.world_size // degree
+        shard_ranks = [list(range(i * shard_size, (i + 1) * shard_size)) for i in range(degree)]
+        replicate_ranks = [list(range(j, world, shard_size)) for j in range(shard_size)]
+        self._shard_group, shard_groups = dist.new_subgroups_by_enumeration(shard_ranks, timeout=self._timeout)
+        self._replicate_group, replicate_groups = dist.new_subgroups_by_enumeration(
+            replicate_ranks, timeout=self._timeout
+        )
+        self._created_groups = [*shard_groups, *replicate_groups]
+
+    def _destroy_process_groups(self) -> None:
+        for group in self._created_groups:
+            try:
+                dist.destroy_process_group(group)
+            except (ValueError, RuntimeError):  # this rank is not a member, or it is already gone
+                pass
+        self._created_groups = []
+        self._shard_group = self._replicate_group = None
+
+    # ------------------------------------------------------------------ setup
+    def setup(self, trainer: "pl.Trainer") -> None:
+        assert self.model is not None
+        assert self.accelerator is not None
+        self.accelerator.setup(trainer)
+        if getattr(self.model, "_ragged_fsdp_state", None) is None:
+            self.model = self._shard(self.model)
+        else:  # a second fit/validate/test with the same module: rebind to this run's groups
+            self._rebind_process_groups(self.model)
+        self.precision_plugin.sharded_module = self.model
+        self.barrier()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self._reset_optimizers_and_schedulers()
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if trainer.state.fn == TrainerFn.FITTING:
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _shard(self, model: nn.Module) -> nn.Module:
+        on_meta = has_meta_tensors(model)
+        model = self.precision_plugin.convert_module(model)  # bf16-true/16-true/64-true cast; no-op otherwise
+        for module in _match_modules(model, self.activation_checkpointing, "activation_checkpointing"):
+            from torch.distributed._composable import checkpoint
+
+            checkpoint(module)
+        if not on_meta:
+            model.to(self.root_device)
+        group_modules = None
+        if self.group_modules is not None:
+            group_modules = _resolve_classes(model, self.group_modules, "group_modules")
+        fully_shard(
+            model,
+            process_group=self._shard_group,
+            replicate_group=self._replicate_group,
+            shard_granularity=self.shard_granularity,
+            block_rows=self.block_rows,
+            dbuffer_size=self.dbuffer_size,
+            planning_algorithm=self.planning_algorithm,
+            reshard_after_forward=self.reshard_after_forward,
+            mp_policy=self.precision_plugin.mp_policy(),
+            group_modules=group_modules,
+            device=self.root_device,
+            **self._engine_kwargs,
+        )
+        if on_meta:
+            materialize_meta_module(model, self.root_device)
+        return model
+
+    def _rebind_process_groups(self, model: nn.Module) -> None:
+        for bucket in get_state(model).buckets():
+            bucket.shard_group = self._shard_group
+            bucket.replicate_group = self._replicate_group
+            for param in bucket.sharded_params.values():
+                param.ragged_shard = dataclasses.replace(param.ragged_shard, process_group=self._shard_group)
+
+    def model_to_device(self) -> None:
+        pass  # the shards are allocated on the root device by `fully_shard`
+
+    @contextmanager
+    def tensor_init_context(self, empty_init: Optional[bool] = None) -> Generator[None, None, None]:
+        # Meta tensors are materialized group by group in `setup()`.
+        device_context = torch.device("meta") if empty_init else self.root_device
+        with device_context, self.precision_plugin.tensor_init_context():
+            yield
+
+    # ---------------------------------------------------------------- steps
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.train_step_context():
+            return self._run_through_forward("training_step", *args, **kwargs)
+
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.val_step_context():
+            return self._run_through_forward("validation_step", *args, **kwargs)
+
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.test_step_context():
+            return self._run_through_forward("test_step", *args, **kwargs)
+
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.predict_step_context():
+            return self._run_through_forward("predict_step", *args, **kwargs)
+
+    def _run_through_forward(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """Call ``LightningModule.<method>`` through ``forward`` so the root group's hooks fire."""
+        assert self.lightning_module is not None and self.model is not None
+        return self._forward_redirection(self.model, self.lightning_module, method, *args, **kwargs)
+
+    @contextmanager
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """Non-final micro-batches accumulate into the full gradient buffers with no collective."""
+        model = self.model
+        if self.sync_grads_each_micro_batch or model is None or getattr(model, "_ragged_fsdp_state", None) is None:
+            yield None
+            return
+        with no_sync(model):
+            yield None
+
+    # ---------------------------------------------------------- collectives
+    def barrier(self, name: Optional[str] = None) -> None:
+        if not _distributed_is_initialized():
+            return
+        if dist.get_backend() == "nccl":
+            dist.barrier(device_ids=[self.root_device.index])
+        else:
+            dist.barrier()
+
+    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
+        if not _distributed_is_initialized():
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src, group=_group.WORLD)
+        return box[0]
+
+    def reduce(
+        self, tensor: Union[Tensor, Any], group: Optional[Any] = None, reduce_op: Optional[Union[ReduceOp, str]] = "mean"
+    ) -> Union[Tensor, Any]:
+        if isinstance(tensor, Tensor):
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    # ---------------------------------------------------------- checkpoints
+    # All checkpoint behaviour lives in `lightning_ragged/checkpoint.py` (issue 5).
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """DTensor views of this rank's shards (no gather); every rank calls it and writes its own part."""
+        assert self.model is not None
+        return self.ragged_checkpoints.state_dict(self.model)
+
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        """The optimizer's state keyed by parameter names, per-parameter states as DTensors of the shards."""
+        assert self.model is not None
+        return self.ragged_checkpoints.optimizer_state(self.model, optimizer)
+
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None
+    ) -> None:
+        """Collective: a sharded directory (or, with ``state_dict_type="full"``, one file), written atomically."""
+        path = self.broadcast(filepath)
+        self.ragged_checkpoints.state_dict_type = self.state_dict_type
+        self.ragged_checkpoints.save(checkpoint, path, storage_options)
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        """Validate, load model and optimizer states in place (any saved layout); return the rest for Lightning.
+
+        The Trainer drops ``weights_only`` on this path (``restore_checkpoint_after_setup``):
+        ``None`` loads safe types first and falls back, with a warning, for trusted
+        objects such as hparams; ``True`` refuses them.
+        """
+        assert self.model is not None and self.lightning_module is not None
+        path = self.broadcast(checkpoint_path)
+        trainer = self.lightning_module._trainer
+        fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
+        return self.ragged_checkpoints.load(
+            self.model,
+            self.optimizers,
+            path,
+            fitting=fitting,
+            strict=self.lightning_module.strict_loading,
+            weights_only=weights_only,
+        )
+
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        """A no-op after ``load_checkpoint`` (it loaded the shards); else a full state dict is sliced in."""
+        assert self.model is not None
+        if "state_dict" in checkpoint:
+            from lightning_ragged.checkpoint import load_full_model_state_dict
+
+            load_full_model_state_dict(self.model, checkpoint["state_dict"], strict=strict)
+
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        """A no-op after ``load_checkpoint``; else full (consolidated) optimizer states are sliced in."""
+        from lightning_ragged.checkpoint import load_full_optimizer_state_dict
+
+        for optimizer, state in zip(self.optimizers, checkpoint.get("optimizer_states") or []):
+            load_full_optimizer_state_dict(self.model, optimizer, state)
+
+    def remove_checkpoint(self, filepath: Any) -> None:
+        """Directories, files and ``save_last="link"`` symlinks (rank 0)."""
+        if self.is_global_zero:
+            self.ragged_checkpoints.remove(filepath)
+
+    # -------------------------------------------------------------- teardown
+    def teardown(self) -> None:
+        """Free the full buffers and gradients, destroy the HSDP groups; the shards stay usable."""
+        self.ragged_checkpoints.teardown()  # an asynchronous save still in flight
+        model = self.model
+        if model is not None and getattr(model, "_ragged_fsdp_state", None) is not None:
+            state = get_state(model)
+            state.reshard()
+            for bucket in state.buckets():
+                bucket.free_unsharded_grad()
+                for param in bucket.sharded_params.values():
+                    param.grad = None
+                bucket.sharded_grad = None
+        self._destroy_process_groups()
+        assert self.cluster_environment is not None and self.accelerator is not None
+        _optimizers_to_device(self.optimizers, torch.device("cpu"))
+        self.cluster_environment.teardown()
+        self.precision_plugin.teardown()
+        self.accelerator.teardown()
+        self.checkpoint_io.teardown()
+
+
+def _resolve_classes(model: nn.Module, specs: Sequence[ModuleSpec], knob: str) -> list[type]:
+    """Classes from classes, dotted import paths, or bare class names found in ``model``."""
+    classes: list[type] = []
+    by_name = {type(m).__name__: type(m) for m in model.modules()}
+    for spec in specs:
+        if isinstance(spec, type):
+            classes.append(spec)
+        elif isinstance(spec, str) and spec in by_name:
+            classes.append(by_name[spec])
+        elif isinstance(spec, str) and "." in spec:
+            module_name, _, class_name = spec.rpartition(".")
+            classes.append(getattr(importlib.import_module(module_name), class_name))
+        else:
+            raise ValueError(
+                f"{knob}: {spec!r} is neither a module class, an import path 'pkg.module.Class', nor the name "
+                f"of a module class in the model (found: {sorted(by_name)})"
+            )
+    return classes
+
+
+def _match_modules(model: nn.Module, specs: Sequence[ModuleSpec], knob: str) -> list[nn.Module]:
+    if not specs:
+        return []
+    classes = tuple(_resolve_classes(model, specs, knob))
+    return [module for module in model.modules() if isinstance(module, classes)]

@@ -1,0 +1,102 @@
+"""A tiny GPT LightningModule for the Trainer tests (fast on 2 CPU cores).
+
+Every parameter comes from a module that initializes itself in ``reset_parameters``
+(``nn.Embedding``, ``nn.Linear``, ``nn.LayerNorm``) and nothing is tied, so a meta-device
+build materialized with the same seed equals an eager build.
+"""
+
+from __future__ import annotations
+
+import lightning.pytorch as L
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+VOCAB = 37  # divisible by neither 2 nor 4: ragged shards
+WIDTH = 12
+HIDDEN = 20
+SEQ = 8
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm1 = nn.LayerNorm(WIDTH)
+        self.qkv = nn.Linear(WIDTH, 3 * WIDTH, bias=False)
+        self.proj = nn.Linear(WIDTH, WIDTH)
+        self.norm2 = nn.LayerNorm(WIDTH)
+        self.up = nn.Linear(WIDTH, HIDDEN)
+        self.down = nn.Linear(HIDDEN, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(self.norm1(x)).chunk(3, dim=-1)
+        x = x + self.proj(F.scaled_dot_product_attention(q, k, v, is_causal=True))
+        return x + self.down(F.gelu(self.up(self.norm2(x))))
+
+
+class TinyGPT(nn.Module):
+    def __init__(self, layers: int = 2) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(VOCAB, WIDTH)
+        self.pos = nn.Embedding(SEQ, WIDTH)
+        self.blocks = nn.ModuleList(Block() for _ in range(layers))
+        self.norm = nn.LayerNorm(WIDTH)
+        self.head = nn.Linear(WIDTH, VOCAB, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(tokens.shape[1], device=tokens.device)
+        x = self.tok(tokens) + self.pos(positions)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+
+class LitTinyGPT(L.LightningModule):
+    """Records its per-step training losses (rank-local) in ``self.losses``."""
+
+    def __init__(self, lr: float = 0.5, layers: int = 2) -> None:
+        super().__init__()
+        self.lr = lr
+        self.model = TinyGPT(layers)
+        self.losses: list[float] = []
+        self.val_losses: list[float] = []
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.model(tokens)
+
+    def _loss(self, batch: tuple[torch.Tensor]) -> torch.Tensor:
+        (tokens,) = batch
+        logits = self(tokens[:, :-1])
+        return F.cross_entropy(logits.float().reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
+
+    def training_step(self, batch: tuple[torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss = self._loss(batch)
+        self.losses.append(loss.item())
+        self.log("train_loss", loss, sync_dist=True)
+        return loss
+
+    def validation_step(self, batch: tuple[torch.Tensor], batch_idx: int) -> None:
+        loss = self._loss(batch)
+        self.val_losses.append(loss.item())
+        self.log("val_loss", loss, sync_dist=True)
+
+    def test_step(self, batch: tuple[torch.Tensor], batch_idx: int) -> None:
+        self.log("test_loss", self._loss(batch), sync_dist=True)
+
+    def predict_step(self, batch: tuple[torch.Tensor], batch_idx: int) -> torch.Tensor:
+        return self(batch[0][:, :-1]).argmax(-1)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
+
+
+def token_loader(samples: int, batch_size: int, seed: int = 1) -> DataLoader:
+    """``samples`` sequences of a learnable pattern (next = previous + 1 mod VOCAB) with random starts.
+
+    ``batch_size`` is per rank (the Trainer injects a ``DistributedSampler``).
+    """
+    generator = torch.Generator().manual_seed(seed)
+    starts = torch.randint(0, VOCAB, (samples, 1), generator=generator)
+    tokens = (starts + torch.arange(SEQ + 1)) % VOCAB
+    return DataLoader(TensorDataset(tokens), batch_size=batch_size, shuffle=False)

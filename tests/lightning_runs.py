@@ -1,0 +1,229 @@
+"""Real Trainer runs for ``tests/test_strategy.py``: ``python tests/lightning_runs.py MODE OUT.json``.
+
+Lightning's subprocess launcher re-runs this script for every extra rank, so one
+invocation runs many Trainers in the same processes (one process start-up for all the
+checks of a mode). Every rank computes its own numbers; the worst value over ranks is
+all-reduced and rank 0 writes the JSON the test reads.
+
+Modes: ``main`` (2 processes, Lightning's launcher) and ``slurm_hsdp`` (started by the
+test as 4 processes with the SLURM variables of a 2-node x 2-task job).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import tempfile
+import warnings
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import lightning.pytorch as L  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from lightning.pytorch.callbacks import Callback  # noqa: E402
+
+import lightning_ragged  # noqa: E402,F401  (registers "ragged_fsdp")
+from lightning_ragged import RaggedFSDPStrategy, full_state_dict, get_state  # noqa: E402
+from tests.lightning_models import LitTinyGPT, token_loader  # noqa: E402
+
+warnings.filterwarnings("ignore")
+BATCH = 4  # per rank
+
+
+def make_trainer(strategy, devices: int, steps: int, **kwargs) -> L.Trainer:
+    return L.Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        devices=devices,
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        **kwargs,
+    )
+
+
+def fit(strategy, devices: int = 2, steps: int = 6, seed: int = 0, accumulate: int = 1, meta: bool = False,
+        lr: float = 0.5, **kwargs) -> tuple[L.Trainer, LitTinyGPT]:
+    L.seed_everything(seed, verbose=False)
+    trainer = make_trainer(strategy, devices, steps, accumulate_grad_batches=accumulate, **kwargs)
+    if meta:
+        with trainer.init_module(empty_init=True):
+            model = LitTinyGPT(lr=lr)
+    else:
+        model = LitTinyGPT(lr=lr)
+    trainer.fit(model, token_loader(steps * accumulate * devices * BATCH, BATCH))
+    return trainer, model
+
+
+def full_params(model: LitTinyGPT) -> dict[str, torch.Tensor]:
+    if getattr(model, "_ragged_fsdp_state", None) is not None:
+        return full_state_dict(model)
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys(), (sorted(a), sorted(b))
+    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+
+
+def loss_diff(a: LitTinyGPT, b: LitTinyGPT) -> float:
+    assert len(a.losses) == len(b.losses) > 0, (len(a.losses), len(b.losses))
+    return max(abs(x - y) for x, y in zip(a.losses, b.losses))
+
+
+def worst(value: float) -> float:
+    """The maximum of ``value`` over all ranks."""
+    tensor = torch.tensor([float(value)], dtype=torch.float64)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return tensor.item()
+
+
+class CountReductions(Callback):
+    """Engine reductions issued by each backward (one entry per micro-batch)."""
+
+    def __init__(self) -> None:
+        self.per_backward: list[int] = []
+        self._last = 0
+
+    def on_after_backward(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        reduces = get_state(pl_module).stats.reduces
+        self.per_backward.append(reduces - self._last)
+        self._last = reduces
+
+
+def parity(results: dict, name: str, ragged_strategy, devices: int = 2, ragged_callbacks=(), **kwargs
+           ) -> tuple[L.Trainer, LitTinyGPT]:
+    """Fit DDP and the ragged strategy on the same seed and data; record loss and parameter diffs."""
+    _, ddp = fit("ddp", devices=devices, **kwargs)
+    trainer, ragged = fit(ragged_strategy, devices=devices, callbacks=list(ragged_callbacks), **kwargs)
+    results[f"{name}_loss_diff"] = worst(loss_diff(ddp, ragged))
+    results[f"{name}_param_diff"] = worst(max_diff(full_params(ddp), full_params(ragged)))
+    results[f"{name}_steps"] = len(ragged.losses)
+    return trainer, ragged
+
+
+def main_mode(results: dict) -> None:
+    # fp32 parity, names, and the strategy's collectives (full checkpoints: one ordinary file).
+    trainer, ragged = parity(results, "fp32", RaggedFSDPStrategy(state_dict_type="full"))
+    strategy = trainer.strategy
+    results["strategy_class"] = type(strategy).__name__
+    results["precision_class"] = type(trainer.precision_plugin).__name__
+    results["names_unchanged"] = [n for n, _ in ragged.named_parameters()] == [
+        n for n, _ in LitTinyGPT().named_parameters()
+    ]
+    results["all_sharded"] = all(hasattr(p, "ragged_shard") and p.dim() == 1 for p in ragged.parameters())
+    rank = strategy.global_rank
+    strategy.barrier()
+    results["broadcast_ok"] = worst(strategy.broadcast(f"from{rank}") != "from0") == 0
+    total = strategy.reduce(torch.tensor(float(rank)), reduce_op="sum")
+    results["reduce_ok"] = total.item() == 1.0
+    gathered = strategy.all_gather(torch.tensor([rank]))
+    results["all_gather_ok"] = gathered.flatten().tolist() == [0, 1]
+
+    # The same trainer and sharded module: validate / test / predict re-enter setup.
+    loader = token_loader(4 * BATCH, BATCH, seed=5)
+    before = len(ragged.val_losses)
+    val = trainer.validate(ragged, loader, verbose=False)
+    results["validate_ok"] = len(ragged.val_losses) > before and "val_loss" in val[0]
+    test = trainer.test(ragged, loader, verbose=False)
+    results["test_ok"] = "test_loss" in test[0]
+    predictions = trainer.predict(ragged, loader)
+    results["predict_ok"] = bool(predictions) and tuple(predictions[0].shape) == (BATCH, 8)
+
+    # state_dict_type="full": a usable, ordinary checkpoint; resuming from it loads the shards.
+    # (Sharded DCP checkpoints, the default, are tested by tests/test_checkpoint.py.)
+    ckpt_dir = strategy.broadcast(tempfile.mkdtemp(prefix="ragged_ckpt_") if rank == 0 else None)
+    path = os.path.join(ckpt_dir, "last.ckpt")
+    trainer.save_checkpoint(path)
+    strategy.barrier()
+    checkpoint = torch.load(path, weights_only=False)
+    plain = LitTinyGPT()
+    plain.load_state_dict(checkpoint["state_dict"])
+    results["checkpoint_diff"] = worst(max_diff(plain.state_dict(), full_params(ragged)))
+    resume_trainer = make_trainer(RaggedFSDPStrategy(state_dict_type="full"), 2, 8)
+    resumed = LitTinyGPT()
+    loader_resume = token_loader(8 * 2 * BATCH, BATCH)
+    resume_trainer.fit(resumed, loader_resume, ckpt_path=path)
+    results["resume_steps"] = len(resumed.losses)
+    results["resume_global_step"] = resume_trainer.global_step
+    resume_trainer.strategy.barrier()
+    if rank == 0:
+        shutil.rmtree(ckpt_dir, ignore_errors=True)
+
+    # Clipping by norm (small threshold: every step clips) and by value.
+    _, clipped = parity(results, "clip_norm", "ragged_fsdp", gradient_clip_val=0.05)
+    results["clip_changes_params"] = worst(max_diff(full_params(clipped), full_params(ragged)))
+    parity(results, "clip_value", "ragged_fsdp", gradient_clip_val=0.002, gradient_clip_algorithm="value")
+
+    # Accumulation: no reduction on the non-final micro-batch.
+    counter = CountReductions()
+    parity(results, "accum", "ragged_fsdp", accumulate=2, ragged_callbacks=[counter])
+    results["accum_reduces_per_backward"] = counter.per_backward
+    counter_sync = CountReductions()
+    parity(results, "accum_sync", RaggedFSDPStrategy(sync_grads_each_micro_batch=True), accumulate=2,
+           ragged_callbacks=[counter_sync])
+    results["accum_sync_reduces_per_backward"] = counter_sync.per_backward
+
+    # Activation checkpointing (composable: names unchanged) and a non-default granularity.
+    parity(results, "ac", RaggedFSDPStrategy(activation_checkpointing=["Block"], shard_granularity="element"))
+
+    # bf16-mixed and bf16-true train with a falling loss.
+    _, mixed = fit("ragged_fsdp", steps=16, precision="bf16-mixed")
+    results["bf16_mixed_losses"] = mixed.losses
+    state = get_state(mixed)
+    results["bf16_mixed_dtypes"] = sorted({
+        f"{bucket.master_dtype}/{bucket.param_dtype}/{bucket.reduce_dtype}" for bucket in state.buckets()
+    })
+    _, half = fit("ragged_fsdp", steps=16, precision="bf16-true")
+    results["bf16_true_losses"] = half.losses
+    results["bf16_true_dtypes"] = sorted({str(p.dtype) for p in half.parameters()})
+
+    # Meta-device init (Trainer.init_module(empty_init=True)) equals an eager init with the same seed.
+    L.seed_everything(3, verbose=False)
+    eager = {k: v.clone() for k, v in LitTinyGPT().state_dict().items()}
+    L.seed_everything(3, verbose=False)
+    meta_trainer = make_trainer("ragged_fsdp", 2, 1)
+    with meta_trainer.init_module(empty_init=True):
+        meta_model = LitTinyGPT()
+    results["meta_built_on_meta"] = all(p.is_meta for p in meta_model.parameters())
+    meta_trainer.validate(meta_model, token_loader(2 * BATCH, BATCH), verbose=False)
+    results["meta_init_diff"] = worst(max_diff(eager, full_params(meta_model)))
+    # ... and trains exactly like the eager-initialized sharded model.
+    _, eager_fit = fit("ragged_fsdp", seed=3)
+    _, meta_fit = fit("ragged_fsdp", seed=3, meta=True)
+    results["meta_fit_param_diff"] = worst(max_diff(full_params(eager_fit), full_params(meta_fit)))
+
+
+def slurm_hsdp_mode(results: dict) -> None:
+    """Started by the test as a simulated SLURM job: 2 nodes x 2 tasks on this machine.
+
+    HSDP 2x2 against DDP: ``replicate_degree="node"`` shards inside each node and
+    replicates across the two; ``replicate_degree=2`` (the same groups) with clipping.
+    """
+    trainer, ragged = parity(results, "hsdp", RaggedFSDPStrategy(replicate_degree="node"), devices=2, num_nodes=2)
+    results["cluster_environment"] = type(trainer.strategy.cluster_environment).__name__
+    results["world_size"] = trainer.world_size
+    results["hsdp_losses"] = ragged.losses
+    shard = next(iter(ragged.parameters())).ragged_shard
+    results["hsdp_shard_world"] = shard.world_size
+    parity(results, "hsdp_clip", RaggedFSDPStrategy(replicate_degree=2), devices=2, num_nodes=2,
+           gradient_clip_val=0.05)
+
+
+def main() -> None:
+    mode, out = sys.argv[1], sys.argv[2]
+    results: dict = {}
+    {"main": main_mode, "slurm_hsdp": slurm_hsdp_mode}[mode](results)
+    if dist.get_rank() == 0:
+        Path(out).write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()

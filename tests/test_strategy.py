@@ -1,0 +1,308 @@
+"""The Lightning strategy: real Trainer runs on CPU/gloo against ``strategy="ddp"``.
+
+Trainer runs live in ``tests/lightning_runs.py`` (Lightning's launcher re-runs a script per
+rank); each mode is started once per session by a module-scoped fixture and its checks
+are split into the tests below.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+RUNS = ROOT / "tests" / "lightning_runs.py"
+RUN_TIMEOUT_S = 480
+FP32_TOL = 1e-5
+_LAUNCH_VARS = ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK", "GROUP_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                "MASTER_PORT", "PL_GLOBAL_SEED", "TORCHELASTIC_RUN_ID")
+
+
+def _clean_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARS and not k.startswith("SLURM_")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    env.update(extra)
+    return env
+
+
+def _run_mode(mode: str, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    out = tmp_path_factory.mktemp(mode) / "results.json"
+    proc = subprocess.run(
+        [sys.executable, str(RUNS), mode, str(out)], env=_clean_env(), cwd=ROOT, capture_output=True, text=True,
+        timeout=RUN_TIMEOUT_S,
+    )
+    assert proc.returncode == 0 and out.exists(), f"{mode} run failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
+    return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def main_run(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    return _run_mode("main", tmp_path_factory)
+
+
+# ------------------------------------------------------------ in-process (no processes)
+def test_registered_name_builds_the_strategy_and_ragged_precision() -> None:
+    import lightning.pytorch as L
+
+    import lightning_ragged
+    from lightning_ragged.precision import RaggedHalfPrecision, RaggedMixedPrecision, RaggedPrecision
+
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    assert "ragged_fsdp" in StrategyRegistry
+    expected = {"32-true": RaggedPrecision, "bf16-mixed": RaggedMixedPrecision, "bf16-true": RaggedHalfPrecision}
+    for precision, plugin_class in expected.items():
+        trainer = L.Trainer(strategy="ragged_fsdp", accelerator="cpu", devices=2, precision=precision, logger=False)
+        assert isinstance(trainer.strategy, lightning_ragged.RaggedFSDPStrategy)
+        assert type(trainer.precision_plugin) is plugin_class
+    policy = RaggedMixedPrecision("bf16-mixed", "cpu").mp_policy()
+    import torch
+
+    assert (policy.param_dtype, policy.reduce_dtype) == (torch.bfloat16, torch.float32)
+
+
+def test_fp16_amp_is_refused_with_the_alternatives() -> None:
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    from lightning_ragged.precision import to_ragged_precision
+
+    with pytest.raises(ValueError, match=r"16-mixed.*bf16-mixed"):
+        to_ragged_precision(MixedPrecision("16-mixed", "cpu"))
+
+
+def test_strategy_knobs_are_validated() -> None:
+    from lightning_ragged import RaggedFSDPStrategy
+
+    with pytest.raises(ValueError, match="state_dict_type"):
+        RaggedFSDPStrategy(state_dict_type="local")
+    with pytest.raises(ValueError, match="replicate_degree"):
+        RaggedFSDPStrategy(replicate_degree=0)
+
+
+@pytest.mark.parametrize(
+    ("variables", "trainer_kwargs", "message"),
+    [
+        ({"SLURM_NTASKS": "4", "SLURM_NTASKS_PER_NODE": "2", "SLURM_NNODES": "2"}, {"devices": 3, "num_nodes": 2},
+         r"RaggedFSDPStrategy.*ntasks-per-node=2.*devices=2"),
+        ({"SLURM_NTASKS": "4", "SLURM_NTASKS_PER_NODE": "2", "SLURM_NNODES": "2"}, {"devices": 2, "num_nodes": 1},
+         r"RaggedFSDPStrategy.*--nodes=2.*num_nodes=2"),
+    ],
+)
+def test_mismatched_slurm_allocation_fails_clearly(monkeypatch, variables, trainer_kwargs, message) -> None:
+    import lightning.pytorch as L
+
+    import lightning_ragged  # noqa: F401
+
+    for key in _LAUNCH_VARS:
+        monkeypatch.delenv(key, raising=False)
+    base = {"SLURM_JOB_NAME": "ragged", "SLURM_JOB_ID": "1234", "SLURM_PROCID": "0", "SLURM_LOCALID": "0",
+            "SLURM_NODEID": "0", "SLURM_NODELIST": "127.0.0.1"}
+    for key, value in {**base, **variables}.items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(ValueError, match=message):
+        L.Trainer(strategy="ragged_fsdp", accelerator="cpu", logger=False, **trainer_kwargs)
+
+
+# ----------------------------------------------------- plain fully_shard users (pool)
+def _clip_against_torch(max_norm: float, norm_type: float) -> dict[str, float]:
+    import torch
+    import torch.distributed as dist
+
+    from lightning_ragged import clip_grad_norm_, fully_shard
+    from tests.models import lm_loss, make_batches, make_model
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    reference, sharded = make_model(0), fully_shard(make_model(0))
+    tokens = make_batches(1, 2 * world)[0]
+    lm_loss(reference, tokens).backward()
+    lm_loss(sharded, tokens[2 * rank : 2 * rank + 2]).backward()
+    unclipped = clip_grad_norm_(list(sharded.parameters()), 1e9, norm_type)  # the per-parameter path, no clipping
+    expected = torch.nn.utils.clip_grad_norm_(reference.parameters(), max_norm, norm_type)
+    total = clip_grad_norm_(sharded, max_norm, norm_type)
+    reference_grads = dict(reference.named_parameters())
+    grad_diff = 0.0
+    for name, param in sharded.named_parameters():
+        start, end = param.ragged_shard.local_range
+        local = reference_grads[name].grad.reshape(-1)[start:end]
+        grad_diff = max(grad_diff, (param.grad - local).abs().max().item() if end > start else 0.0)
+    return {
+        "norm_diff": abs(total.item() - expected.item()),
+        "params_path_norm_diff": abs(unclipped.item() - expected.item()),
+        "grad_diff": grad_diff,
+        "clipped": float(expected.item() > max_norm),
+    }
+
+
+@pytest.mark.parametrize("norm_type", [2.0, float("inf")])
+def test_clip_grad_norm_is_the_global_norm(dist_pool, norm_type: float) -> None:
+    for result in dist_pool(2).run(_clip_against_torch, 0.05, norm_type):
+        assert result["clipped"] == 1.0
+        assert result["norm_diff"] <= 1e-5 and result["params_path_norm_diff"] <= 1e-5, result
+        assert result["grad_diff"] <= 1e-6, result
+
+
+def _meta_init_against_eager() -> dict[str, float]:
+    import torch
+    from torch import nn
+
+    from lightning_ragged import full_state_dict, fully_shard
+    from lightning_ragged.meta_init import materialize_meta_module
+
+    def build() -> nn.Module:
+        model = nn.Module()
+        model.embed = nn.Embedding(37, 13)
+        model.blocks = nn.ModuleList(nn.Sequential(nn.LayerNorm(13), nn.Linear(13, 7), nn.Linear(7, 13))
+                                     for _ in range(4))
+        model.norm = nn.LayerNorm(13)
+        model.head = nn.Linear(13, 37)
+        return model
+
+    torch.manual_seed(11)
+    eager = build().state_dict()
+    with torch.device("meta"):
+        sharded = fully_shard(build(), device="cpu")
+    report = materialize_meta_module(sharded, "cpu", seed=11)
+    full = full_state_dict(sharded)
+    state = sharded._ragged_fsdp_state
+    root_bytes = state.root_group.buckets[0].sharded.numel() * 2 * 4
+    block_bytes = max(g.buckets[0].sharded.numel() for g in state.groups) * 2 * 4
+    return {
+        "diff": max((full[k] - eager[k]).abs().max().item() for k in eager),
+        "peak_open_groups": report.peak_open_groups,
+        "peak_within_root_plus_block": float(report.peak_full_bytes <= root_bytes + block_bytes),
+        "groups": len(state.all_groups),
+    }
+
+
+def test_meta_init_is_group_by_group_and_equals_eager(dist_pool) -> None:
+    for result in dist_pool(2).run(_meta_init_against_eager):
+        assert result["diff"] == 0.0, result
+        assert result["groups"] == 5 and result["peak_open_groups"] == 2, result  # root + one block at a time
+        assert result["peak_within_root_plus_block"] == 1.0, result
+
+
+# --------------------------------------------------------- Trainer, 2 processes
+def test_fp32_loss_and_params_match_ddp(main_run: dict) -> None:
+    assert main_run["strategy_class"] == "RaggedFSDPStrategy"
+    assert main_run["precision_class"] == "RaggedPrecision"
+    assert main_run["fp32_steps"] >= 5
+    assert main_run["fp32_loss_diff"] <= FP32_TOL and main_run["fp32_param_diff"] <= FP32_TOL, main_run
+
+
+def test_optimizer_sees_sharded_params_with_original_names(main_run: dict) -> None:
+    assert main_run["names_unchanged"] and main_run["all_sharded"]
+
+
+def test_validate_test_predict_and_collectives(main_run: dict) -> None:
+    for check in ("validate_ok", "test_ok", "predict_ok", "broadcast_ok", "reduce_ok", "all_gather_ok"):
+        assert main_run[check], check
+
+
+def test_checkpoint_is_full_and_resumes(main_run: dict) -> None:
+    assert main_run["checkpoint_diff"] == 0.0
+    assert main_run["resume_steps"] == 2 and main_run["resume_global_step"] == 8
+
+
+def test_gradient_clipping_matches_ddp(main_run: dict) -> None:
+    for name in ("clip_norm", "clip_value"):
+        assert main_run[f"{name}_steps"] >= 5
+        assert main_run[f"{name}_loss_diff"] <= FP32_TOL and main_run[f"{name}_param_diff"] <= FP32_TOL, name
+    assert main_run["clip_changes_params"] > 1e-3  # the threshold really clipped
+
+
+def test_accumulation_reduces_only_on_the_last_micro_batch(main_run: dict) -> None:
+    per_backward = main_run["accum_reduces_per_backward"]
+    assert len(per_backward) == 12
+    assert per_backward[0::2] == [0] * 6 and all(n > 0 for n in per_backward[1::2]), per_backward
+    assert main_run["accum_loss_diff"] <= FP32_TOL and main_run["accum_param_diff"] <= FP32_TOL
+    # sync_grads_each_micro_batch=True: a reduction after every micro-batch, same result.
+    assert all(n > 0 for n in main_run["accum_sync_reduces_per_backward"])
+    assert main_run["accum_sync_loss_diff"] <= FP32_TOL and main_run["accum_sync_param_diff"] <= FP32_TOL
+
+
+def test_activation_checkpointing_matches_ddp(main_run: dict) -> None:
+    assert main_run["ac_loss_diff"] <= FP32_TOL and main_run["ac_param_diff"] <= FP32_TOL
+
+
+def _falls(losses: list[float]) -> bool:
+    return sum(losses[-3:]) / 3 < 0.7 * sum(losses[:3]) / 3
+
+
+def test_bf16_mixed_and_bf16_true_train(main_run: dict) -> None:
+    assert _falls(main_run["bf16_mixed_losses"]), main_run["bf16_mixed_losses"]
+    # fp32 master shards, bf16 all-gather/compute, fp32 reduction.
+    assert main_run["bf16_mixed_dtypes"] == ["torch.float32/torch.bfloat16/torch.float32"]
+    assert _falls(main_run["bf16_true_losses"]), main_run["bf16_true_losses"]
+    assert main_run["bf16_true_dtypes"] == ["torch.bfloat16"]
+
+
+def test_meta_device_init_equals_eager_init(main_run: dict) -> None:
+    assert main_run["meta_built_on_meta"]
+    assert main_run["meta_init_diff"] == 0.0
+    assert main_run["meta_fit_param_diff"] == 0.0
+
+
+# ------------------------------------------- SLURM (simulated 2 nodes x 2 tasks), HSDP
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def slurm_hsdp_run(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """4 local processes with the SLURM variables `srun` sets for --nodes=2 --ntasks-per-node=2."""
+    out = tmp_path_factory.mktemp("slurm") / "results.json"
+    common = {"SLURM_NTASKS": "4", "SLURM_NTASKS_PER_NODE": "2", "SLURM_NNODES": "2", "SLURM_JOB_NAME": "ragged",
+              "SLURM_JOB_ID": "4242", "SLURM_NODELIST": "127.0.0.1", "MASTER_ADDR": "127.0.0.1",
+              "MASTER_PORT": str(_free_port())}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(RUNS), "slurm_hsdp", str(out)], cwd=ROOT, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, text=True,
+            env=_clean_env(**common, SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank % 2), SLURM_NODEID=str(rank // 2)),
+        )
+        for rank in range(4)
+    ]
+    outputs = []
+    try:
+        for proc in procs:
+            outputs.append(proc.communicate(timeout=RUN_TIMEOUT_S)[0])
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+    assert all(proc.returncode == 0 for proc in procs), "\n".join(o[-4000:] for o in outputs)
+    return json.loads(out.read_text())
+
+
+def test_simulated_slurm_run_trains(slurm_hsdp_run: dict) -> None:
+    assert slurm_hsdp_run["cluster_environment"] == "SLURMEnvironment" and slurm_hsdp_run["world_size"] == 4
+    losses = slurm_hsdp_run["hsdp_losses"]
+    assert len(losses) >= 5 and losses[-1] < losses[0], losses
+
+
+def test_hsdp_2x2_matches_ddp(slurm_hsdp_run: dict) -> None:
+    assert slurm_hsdp_run["hsdp_shard_world"] == 2  # sharded inside a node, replicated across the two
+    for name in ("hsdp", "hsdp_clip"):
+        assert slurm_hsdp_run[f"{name}_steps"] >= 5
+        assert slurm_hsdp_run[f"{name}_loss_diff"] <= FP32_TOL, slurm_hsdp_run
+        assert slurm_hsdp_run[f"{name}_param_diff"] <= FP32_TOL, slurm_hsdp_run
+
+
+def test_lightning_cli_fits_from_the_example_yaml() -> None:
+    pytest.importorskip("jsonargparse", reason="LightningCLI needs jsonargparse[signatures]")
+    proc = subprocess.run(
+        [sys.executable, "examples/cli.py", "fit", "--config", "examples/config.yaml", "--trainer.max_steps=3",
+         "--trainer.limit_val_batches=1", "--trainer.enable_progress_bar=false"],
+        env=_clean_env(), cwd=ROOT, capture_output=True, text=True, timeout=RUN_TIMEOUT_S,
+    )
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-8000:]
+    assert "max_steps=3` reached" in output and "Starting with 2 processes" in output

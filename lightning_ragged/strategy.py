@@ -58,6 +58,7 @@ from lightning_ragged.checkpoint import LightningCheckpointIO
 from lightning_ragged.fsdp import DEFAULT_DBUFFER_SIZE, fully_shard, get_state, no_sync
 from lightning_ragged.granularity import GranularityPolicy
 from lightning_ragged.meta_init import has_meta_tensors, materialize_meta_module
+from lightning_ragged.metrics import add_metrics_callback
 from lightning_ragged.precision import to_ragged_precision
 
 ModuleSpec = Union[type, str]
@@ -95,6 +96,11 @@ class RaggedFSDPStrategy(ParallelStrategy):
         sync_grads_each_micro_batch: with ``accumulate_grad_batches > 1``, reduce the
             gradients after every micro-batch (less memory: no full-size gradient buffer
             kept between micro-batches) instead of only after the last one (less traffic).
+        metrics: log the engine's metrics (communication time and bytes, memory, padding)
+            through the Trainer's loggers every ``log_every_n_steps`` (``RaggedFSDPMetrics``).
+        monitor_port: serve ``/health`` and ``/metrics`` (Prometheus) from rank 0 on this port
+            while the Trainer runs; off by default.
+        monitor_address: the address the endpoint binds to (loopback by default).
         process_group_backend: ``"gloo"``, ``"nccl"``...; default by device.
         timeout: process-group timeout.
         **kwargs: forwarded to :func:`lightning_ragged.fully_shard` (e.g. ``reduce_mode``,
@@ -123,6 +129,9 @@ class RaggedFSDPStrategy(ParallelStrategy):
         checkpoint_compression: bool = False,
         async_checkpoint: bool = False,
         sync_grads_each_micro_batch: bool = False,
+        metrics: bool = True,
+        monitor_port: Optional[int] = None,
+        monitor_address: str = "127.0.0.1",
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
         **kwargs: Any,
@@ -149,6 +158,9 @@ class RaggedFSDPStrategy(ParallelStrategy):
         self.state_dict_type = state_dict_type
         self.ragged_checkpoints = LightningCheckpointIO(state_dict_type, checkpoint_compression, async_checkpoint)
         self.sync_grads_each_micro_batch = sync_grads_each_micro_batch
+        self.metrics = metrics
+        self.monitor_port = monitor_port
+        self.monitor_address = monitor_address
         self._engine_kwargs = kwargs
         self._process_group_backend = process_group_backend
         self._timeout = timeout
@@ -288,6 +300,9 @@ class RaggedFSDPStrategy(ParallelStrategy):
 
     # ------------------------------------------------------------------ setup
     def setup(self, trainer: "pl.Trainer") -> None:
+        add_metrics_callback(
+            trainer, metrics=self.metrics, monitor_port=self.monitor_port, monitor_address=self.monitor_address
+        )
         assert self.model is not None
         assert self.accelerator is not None
         self.accelerator.setup(trainer)

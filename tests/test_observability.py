@@ -310,7 +310,6 @@ def test_plan_module_keeps_the_plan_function_callable():
 
 
 def test_plan_cli_plot(tmp_path):
-    pytest.importorskip("matplotlib")
     from lightning_ragged.plan_cli import main
 
     out = tmp_path / "padding.png"

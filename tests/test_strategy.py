@@ -297,7 +297,6 @@ def test_hsdp_2x2_matches_ddp(slurm_hsdp_run: dict) -> None:
 
 
 def test_lightning_cli_fits_from_the_example_yaml() -> None:
-    pytest.importorskip("jsonargparse", reason="LightningCLI needs jsonargparse[signatures]")
     proc = subprocess.run(
         [sys.executable, "examples/cli.py", "fit", "--config", "examples/config.yaml", "--trainer.max_steps=3",
          "--trainer.limit_val_batches=1", "--trainer.enable_progress_bar=false"],

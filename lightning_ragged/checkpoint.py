@@ -1,0 +1,1148 @@
+"""Sharded checkpoints: ragged shards as DCP chunks, atomic directories, validation, resharding.
+
+On disk a checkpoint is a directory that ``torch.distributed.checkpoint`` (DCP) and
+Lightning both recognise::
+
+    ckpt/                 the final name appears only once the save is complete
+      .metadata           DCP: every tensor's global shape and the chunks each rank wrote
+      __0_0.distcp ...    DCP: one file per rank, only that rank's shards
+      meta.pt             Lightning's non-tensor parts (loops, callbacks, schedulers, hparams)
+                          plus {"ragged_checkpoint": {"format_version": ...}}; written last
+
+The model lives under ``"model"`` and optimizer ``i`` under ``"optimizer_{i}"`` (the
+layout Lightning's ``consolidate_checkpoint`` expects). Each parameter's ragged flat range
+is written as at most 2·ndim − 1 N-D boxes (``RaggedShard.local_boxes``) through a
+``LocalShardsWrapper`` inside a ``DTensor``: every box is a view into the DBuffer, so
+saving copies nothing but what DCP streams to disk, and loading writes in place into the
+views of the *current* layout — whatever world size, granularity or planner the
+checkpoint was written with (DCP intersects the saved boxes with the requested ones).
+
+Safety: a save goes to a hidden sibling directory, every rank writes its shards, rank 0
+writes ``meta.pt`` last and renames the directory into place. A crash at any point
+leaves the previous checkpoint as it was, and the hidden directory is never mistaken
+for a checkpoint (its name matches neither ``last*.ckpt`` nor ``hpc_ckpt_*``). Loading
+validates the directory (complete, untruncated, a format version we read, the same
+model) before anything is written into the model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import math
+import os
+import shutil
+import threading
+import warnings
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any, Iterable, Iterator, Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+
+from lightning_ragged.ragged_shard import RaggedShard
+
+FORMAT_VERSION = 1
+"""Bumped when the layout of a checkpoint changes in a way older readers cannot follow."""
+
+FORMAT_KEY = "ragged_checkpoint"
+META_FILENAME = "meta.pt"  # Lightning's `_METADATA_FILENAME`: its consolidation merges this file
+MODEL_KEY = "model"
+TMP_PREFIX = ".ragged-partial-"
+OLD_PREFIX = ".ragged-old-"
+TRASH_PREFIX = ".ragged-trash-"
+
+
+# ---------------------------------------------------------------------------------- errors
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be used; the message says what is wrong and where."""
+
+
+class MissingCheckpointError(CheckpointError, FileNotFoundError):
+    """No checkpoint (or only an unfinished save) at the path."""
+
+
+class CorruptCheckpointError(CheckpointError):
+    """A file of the checkpoint is missing, truncated or unreadable."""
+
+
+class CheckpointMismatchError(CheckpointError):
+    """The checkpoint holds a different model or optimizer (keys or shapes differ)."""
+
+
+class CheckpointVersionError(CheckpointError):
+    """The checkpoint was written in a format version this code cannot read."""
+
+
+# ------------------------------------------------------------------- ragged -> DTensor
+_MESHES: dict[tuple[int, str], Any] = {}
+
+
+def _mesh(group: dist.ProcessGroup | None, device_type: str) -> Any:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    group = group if group is not None else dist.group.WORLD
+    key = (id(group), device_type)
+    if key not in _MESHES:
+        _MESHES[key] = DeviceMesh.from_group(group, device_type)
+    return _MESHES[key]
+
+
+def boxes_as_dtensor(
+    flat: torch.Tensor,
+    boxes: Sequence[tuple[tuple[int, ...], tuple[int, ...]]],
+    global_shape: Sequence[int],
+    group: dist.ProcessGroup | None,
+) -> torch.Tensor | None:
+    """A DTensor whose local part is ``boxes`` of ``global_shape``, viewed out of the flat tensor.
+
+    ``flat`` holds the boxes' elements back to back in row-major order (as a ragged shard
+    does: each box of ``flat_range_to_boxes`` is contiguous). Returns None when there is
+    nothing local (DCP then simply gets no chunk from this rank).
+    """
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
+
+    if not boxes:
+        return None
+    pieces, offsets, cursor = [], [], 0
+    for box_offsets, sizes in boxes:
+        count = math.prod(sizes)
+        pieces.append(flat[cursor : cursor + count].view(sizes))
+        offsets.append(tuple(box_offsets))
+        cursor += count
+    if cursor != flat.numel():
+        raise ValueError(f"boxes cover {cursor} elements but the local tensor has {flat.numel()}")
+    wrapper = LocalShardsWrapper(pieces, offsets)
+    shape = torch.Size(global_shape)
+    return DTensor.from_local(
+        wrapper, _mesh(group, flat.device.type), [Shard(0)], shape=shape, stride=_contiguous_stride(shape), run_check=False
+    )
+
+
+def shard_as_dtensor(flat: torch.Tensor, shard: RaggedShard) -> torch.Tensor | None:
+    """The rank's ragged range of one parameter (or of a state shaped like it) as a DTensor."""
+    return boxes_as_dtensor(flat.reshape(-1), shard.local_boxes(), shard.global_shape, shard.process_group)
+
+
+def _contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
+    stride, running = [], 1
+    for size in reversed(shape):
+        stride.append(running)
+        running *= max(size, 1)
+    return tuple(reversed(stride))
+
+
+# ----------------------------------------------------------------------- model state
+def _is_sharded(module: nn.Module) -> bool:
+    return getattr(module, "_ragged_fsdp_state", None) is not None
+
+
+def _sharded_params(module: nn.Module) -> dict[str, nn.Parameter]:
+    """State-dict key -> the sharded (1-D, ``.ragged_shard``) parameter, tied keys included.
+
+    Built from the engine's (module, attribute) slots, so it holds whether the module
+    currently points at its shards (at rest) or at its full parameters (inside a step).
+    """
+    if not _is_sharded(module):
+        return {}
+    from lightning_ragged.fsdp import get_state
+
+    prefixes: dict[int, list[str]] = {}
+    for prefix, submodule in module.named_modules(remove_duplicate=False):
+        prefixes.setdefault(id(submodule), []).append(prefix)
+    result = {}
+    for group in get_state(module).all_groups:
+        for owner, attr, bucket, name in group.slots:
+            for prefix in prefixes.get(id(owner), []):
+                result[f"{prefix}.{attr}" if prefix else attr] = bucket.sharded_params[name]
+    return result
+
+
+def sharded_model_state_dict(module: nn.Module) -> dict[str, Any]:
+    """Every state-dict key of ``module``; sharded parameters as DTensors of this rank's boxes.
+
+    The boxes are views into the DBuffer (no gather, no copy). A parameter of which this
+    rank holds nothing is left out on this rank. Buffers and unsharded tensors stay as
+    they are (replicated: DCP writes them once). Works on a plain module too (then it is
+    ``module.state_dict()``).
+    """
+    sharded = _sharded_params(module)
+    result: dict[str, Any] = {}
+    for key, value in module.state_dict(keep_vars=False).items():
+        param = sharded.get(key)
+        if param is None:
+            result[key] = value
+            continue
+        wrapped = shard_as_dtensor(param.detach(), param.ragged_shard)
+        if wrapped is not None:
+            result[key] = wrapped
+    return result
+
+
+def expected_model_shapes(module: nn.Module) -> dict[str, tuple[int, ...]]:
+    """Global shape of every tensor key the module's state dict holds (what a checkpoint must have)."""
+    sharded = _sharded_params(module)
+    shapes = {}
+    for key, value in module.state_dict().items():
+        if key in sharded:
+            shapes[key] = tuple(sharded[key].ragged_shard.global_shape)
+        elif isinstance(value, torch.Tensor):
+            shapes[key] = tuple(value.shape)
+    return shapes
+
+
+# ------------------------------------------------------------------- optimizer state
+def _is_ragged_optimizer(optimizer: torch.optim.Optimizer) -> bool:
+    try:
+        from lightning_ragged.optim.named_state import RaggedOptimizer
+    except ImportError:  # pragma: no cover - the optim package is part of this project
+        return False
+    return isinstance(optimizer, RaggedOptimizer)
+
+
+def _shard_or_whole(param: torch.Tensor, name: str) -> RaggedShard:
+    shard = getattr(param, "ragged_shard", None)
+    if shard is not None:
+        return shard
+    numel = param.numel()
+    return RaggedShard(name, param.shape, max(numel, 1), ((0, numel),), 0, None)
+
+
+def _optimizer_param_names(module: nn.Module | None, optimizer: torch.optim.Optimizer) -> dict[int, str]:
+    """id(param) -> the name its state is saved under (the module's parameter name)."""
+    if _is_ragged_optimizer(optimizer):
+        return {id(p): optimizer.param_name(p) for group in optimizer.param_groups for p in group["params"]}
+    names: dict[int, str] = {}
+    if module is not None:
+        for name, param in module.named_parameters():
+            names.setdefault(id(param), name)
+    result = {}
+    for group in optimizer.param_groups:
+        group_names = group.get("param_names")
+        for index, param in enumerate(group["params"]):
+            if id(param) in names:
+                result[id(param)] = names[id(param)]
+            elif group_names:
+                result[id(param)] = group_names[index]
+            elif getattr(param, "ragged_shard", None) is not None:
+                result[id(param)] = param.ragged_shard.name
+            else:
+                raise CheckpointMismatchError(
+                    "an optimizer parameter is not a parameter of the module and has no name; "
+                    "pass the module whose parameters the optimizer updates"
+                )
+    return result
+
+
+def _state_layout(optimizer: torch.optim.Optimizer, param: torch.Tensor, key: str, value: Any, shard: RaggedShard) -> str:
+    """How one state entry relates to the parameter: flat | blocks:B | tiles | scalar."""
+    if _is_ragged_optimizer(optimizer):
+        layout = optimizer.state_layout(param).get(key)
+        if layout is not None:
+            return layout
+    if isinstance(value, Mapping):
+        return "tiles"
+    if not isinstance(value, torch.Tensor) or value.dim() == 0:
+        return "scalar"
+    if getattr(param, "ragged_shard", None) is not None and value.numel() == shard.local_numel and value.dim() == 1:
+        return "flat"
+    if getattr(param, "ragged_shard", None) is None and tuple(value.shape) == tuple(param.shape):
+        return "flat"
+    raise CheckpointError(
+        f"cannot checkpoint optimizer state {key!r} of parameter {shard.name!r}: shape {tuple(value.shape)} is neither "
+        f"a scalar nor shaped like the local shard ({shard.local_numel} elements); a RaggedOptimizer must declare "
+        "its layout in state_layout()"
+    )
+
+
+def _block_range(shard: RaggedShard, block: int) -> tuple[int, int, int]:
+    start, end = shard.local_range
+    if start == end:
+        return 0, 0, math.ceil(shard.numel / block)
+    return start // block, math.ceil(end / block), math.ceil(shard.numel / block)
+
+
+def _shard_state_entry(value: Any, layout: str, shard: RaggedShard, sharded: bool) -> Any:
+    if layout == "flat" and isinstance(value, torch.Tensor):
+        if not sharded:
+            return value
+        return shard_as_dtensor(value, shard)
+    if layout.startswith("blocks:") and isinstance(value, torch.Tensor):
+        if not sharded:
+            return value
+        first, last, total = _block_range(shard, int(layout.split(":", 1)[1]))
+        if last - first != value.shape[0]:
+            raise CheckpointError(f"block state of {shard.name!r} has {value.shape[0]} blocks, expected {last - first}")
+        if first == last:
+            return None
+        rest = tuple(value.shape[1:])
+        boxes = [((first, *[0] * len(rest)), (last - first, *rest))]
+        return boxes_as_dtensor(value.reshape(-1), boxes, (total, *rest), shard.process_group)
+    return value  # scalars (replicated) and tiles (dicts keyed by global tile coordinates)
+
+
+def sharded_optimizer_state_dict(module: nn.Module | None, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """An optimizer's state keyed by parameter names, per-parameter states as DTensors of the shard's boxes.
+
+    ``{"state": {name: {key: DTensor | tensor}}, "param_groups": [{..., "params": [names]}],
+    "format": "torch" | "ragged"}``. Works for ``torch.optim`` optimizers whose states are
+    scalars or shaped like the parameter (AdamW, Adam, SGD, ...) and for
+    ``lightning_ragged.optim`` optimizers (their declared "flat", "blocks:B", "tiles" and
+    "scalar" layouts). Nothing is copied: the DTensors view the optimizer's own tensors.
+    """
+    names = _optimizer_param_names(module, optimizer)
+    ragged = _is_ragged_optimizer(optimizer)
+    groups = []
+    for group in optimizer.param_groups:
+        saved = {key: value for key, value in group.items() if key not in ("params", "param_names")}
+        saved["params"] = [names[id(p)] for p in group["params"]]
+        groups.append(saved)
+    state: dict[str, Any] = {}
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            entries = optimizer.state.get(param)
+            if not entries:
+                continue
+            name = names[id(param)]
+            shard = _shard_or_whole(param, name)
+            sharded = getattr(param, "ragged_shard", None) is not None
+            converted = {}
+            for key, value in entries.items():
+                layout = _state_layout(optimizer, param, key, value, shard)
+                entry = _shard_state_entry(value, layout, shard, sharded)
+                if entry is not None:
+                    converted[key] = entry
+            state[name] = converted
+    return {"state": state, "param_groups": groups, "format": "ragged" if ragged else "torch"}
+
+
+# ----------------------------------------------------------------- directory helpers
+def _hidden_sibling(path: Path, prefix: str) -> Path:
+    digest = hashlib.sha1(path.name.encode()).hexdigest()[:12]
+    return path.parent / f"{prefix}{digest}"
+
+
+def partial_path(path: str | os.PathLike) -> Path:
+    """Where a save to ``path`` is written before it is renamed into place."""
+    return _hidden_sibling(Path(path), TMP_PREFIX)
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _write_file_atomically(obj: Any, path: Path) -> None:
+    part = path.with_name(path.name + ".part")
+    with open(part, "wb") as handle:
+        torch.save(obj, handle)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(part, path)
+
+
+def _move_into_place(tmp: Path, path: Path) -> None:
+    """Replace ``path`` (file, directory or symlink) by ``tmp``; the old one is kept until the new one is there."""
+    old = None
+    if path.is_symlink() or path.is_file():
+        path.unlink()
+    elif path.exists():
+        old = _hidden_sibling(path, OLD_PREFIX)
+        if old.exists():
+            shutil.rmtree(old)
+        os.replace(path, old)
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def remove_checkpoint(path: str | os.PathLike) -> None:
+    """Delete a checkpoint (directory, file or symlink) so that no half-deleted directory ever looks valid.
+
+    A symlink is unlinked (its target is left alone); a directory is first renamed to a
+    hidden name, then deleted.
+    """
+    path = Path(path)
+    if path.is_symlink() or path.is_file():
+        path.unlink()
+    elif path.is_dir():
+        trash = _hidden_sibling(path, TRASH_PREFIX)
+        if trash.exists():
+            shutil.rmtree(trash, ignore_errors=True)
+        os.replace(path, trash)
+        shutil.rmtree(trash, ignore_errors=True)
+
+
+def is_sharded_checkpoint(path: str | os.PathLike) -> bool:
+    path = Path(path)
+    return path.is_dir() and (path / ".metadata").is_file()
+
+
+# --------------------------------------------------------------------------- writing
+def _split_checkpoint(checkpoint: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(what DCP writes: "model", "optimizer_i"; what goes to meta.pt: everything else)."""
+    tensors: dict[str, Any] = {}
+    meta: dict[str, Any] = {}
+    for key, value in checkpoint.items():
+        if key in ("state_dict", MODEL_KEY):
+            tensors[MODEL_KEY] = value
+        elif key == "optimizer_states":
+            for index, state in enumerate(value):
+                tensors[f"optimizer_{index}"] = state
+        elif key.startswith("optimizer_") and key[len("optimizer_") :].isdigit():
+            tensors[key] = value
+        else:
+            meta[key] = value
+    return tensors, meta
+
+
+def _storage_writer(path: Path, compress: bool) -> dcp.FileSystemWriter:
+    extensions = None
+    if compress:
+        from torch.distributed.checkpoint._extension import ZStandard
+
+        if not ZStandard.is_available():
+            raise RuntimeError(
+                "checkpoint compression needs the 'zstandard' (or 'pyzstd') package: pip install zstandard"
+            )
+        extensions = [ZStandard()]
+    return dcp.FileSystemWriter(str(path), _extensions=extensions)
+
+
+def _is_rank_zero(group: dist.ProcessGroup | None = None) -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def _barrier(group: dist.ProcessGroup | None = None) -> None:
+    if dist.is_initialized():
+        dist.barrier(group=group)
+
+
+@contextlib.contextmanager
+def _quiet_without_process_group() -> Iterator[None]:
+    """DCP warns that it assumes one process when no process group exists; here that is intended."""
+    with warnings.catch_warnings():
+        if not dist.is_initialized():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def _world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+class _AlreadyStaged:
+    """An ``AsyncStager`` for a state dict we copied ourselves (one flat copy per buffer)."""
+
+    should_synchronize_after_execute = False
+
+    def stage(self, state_dict: Any) -> Any:
+        return state_dict
+
+    def synchronize_staging(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class PendingSave:
+    """An asynchronous save in flight; ``wait()`` finishes it (meta.pt, rename) on rank 0."""
+
+    def __init__(self, future: Future, finish: Any, path: Path) -> None:
+        self.future = future
+        self._finish = finish
+        self.path = path
+        self._lock = threading.Lock()
+        self._done = False
+
+    def wait(self) -> None:
+        with self._lock:  # the done-callback (rank 0) and the next save may both get here
+            if self._done:
+                return
+            self.future.result()
+            self._finish()
+            self._done = True
+
+
+class CheckpointWriter:
+    """Writes checkpoint directories (sync or async) and keeps at most one async save in flight."""
+
+    def __init__(self) -> None:
+        self.pending: PendingSave | None = None
+        self._async_group: dist.ProcessGroup | None = None
+
+    def wait(self) -> None:
+        """Finish the save in flight, if any (every rank)."""
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            pending.wait()
+            _barrier()
+
+    def save(
+        self,
+        checkpoint: Mapping[str, Any],
+        path: str | os.PathLike,
+        *,
+        compress: bool = False,
+        async_save: bool = False,
+        full: bool = False,
+        extra_meta: Mapping[str, Any] | None = None,
+    ) -> None:
+        """Write ``checkpoint`` (Lightning layout or {"model", "optimizer_i", ...}) to the directory ``path``.
+
+        With ``full=True`` the result is instead one ordinary ``torch.save`` file at ``path``
+        (Lightning's single-file layout): the shards are written as above to a hidden
+        directory, then rank 0 streams them tensor by tensor into the file
+        (``consolidate.py``), so no rank ever holds the whole model.
+
+        Collective. Tensors under "state_dict"/"model" and "optimizer_states"/"optimizer_i"
+        go through DCP (DTensors: each rank writes its boxes; plain tensors: written
+        once); everything else goes to ``meta.pt``, which rank 0 writes last before the
+        directory is renamed into place. With ``async_save`` this returns once the
+        shards are staged (one copy of each buffer); the write and the rename finish in
+        the background and the next save (or ``wait()``) waits for them.
+        """
+        self.wait()
+        path = Path(path)
+        tmp = partial_path(path)
+        tensors, meta = _split_checkpoint(checkpoint)
+        meta[FORMAT_KEY] = {
+            "format_version": FORMAT_VERSION,
+            "world_size": _world_size(),
+            "optimizers": sum(1 for key in tensors if key.startswith("optimizer_")),
+            "has_model": MODEL_KEY in tensors,
+            "compressed": compress,
+            **(extra_meta or {}),
+        }
+        if _is_rank_zero():
+            if tmp.exists():
+                shutil.rmtree(tmp)  # an earlier save to this path that never finished
+            tmp.mkdir(parents=True)
+        _barrier()
+
+        def finish() -> None:
+            if not _is_rank_zero():
+                return
+            _write_file_atomically(meta, tmp / META_FILENAME)
+            _fsync_dir(tmp)
+            if not full:
+                _move_into_place(tmp, path)
+                return
+            from lightning_ragged.consolidate import write_full_checkpoint
+
+            info = CheckpointInfo(tmp, dcp.FileSystemReader(str(tmp)).read_metadata(), meta)
+            part = path.with_name(f".{path.name}.partial")
+            write_full_checkpoint(info, part)
+            _move_into_place(part, path)
+            shutil.rmtree(tmp, ignore_errors=True)
+
+        writer = _storage_writer(tmp, compress)
+        if not async_save:
+            with _quiet_without_process_group():
+                dcp.save(tensors, storage_writer=writer)
+            _barrier()  # every rank's files are complete (DCP's .metadata is written by rank 0 last)
+            finish()
+            _barrier()
+            return
+        if dist.is_initialized() and self._async_group is None:
+            self._async_group = dist.new_group(backend="gloo")
+        staged = _stage(tensors)
+        future = dcp.async_save(
+            staged, storage_writer=writer, process_group=self._async_group, async_stager=_AlreadyStaged()
+        )
+        # DCP's rank 0 finishes (writes .metadata) only after every rank's data is written,
+        # so rank 0 may publish the directory as soon as its own future completes.
+        self.pending = PendingSave(future, finish, path)
+        if _is_rank_zero():
+            pending = self.pending
+            future.add_done_callback(lambda f: f.exception() is None and pending.wait())
+
+
+def _stage(tree: Any) -> Any:
+    """A copy of every tensor the training step will overwrite, one flat copy per shared storage."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
+
+    copies: dict[int, torch.Tensor] = {}
+
+    def copy_of(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        key = storage.data_ptr()
+        if key not in copies:
+            copies[key] = torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(storage.clone())
+        base = copies[key]
+        return torch.empty(0, dtype=tensor.dtype, device=tensor.device).set_(
+            base.untyped_storage(), tensor.storage_offset(), tensor.shape, tensor.stride()
+        )
+
+    def visit(value: Any) -> Any:
+        if isinstance(value, DTensor):
+            local = value._local_tensor
+            if isinstance(local, LocalShardsWrapper):
+                pieces = [copy_of(piece) for piece in local.local_shards()]
+                wrapper = LocalShardsWrapper(pieces, [tuple(o) for o in local.local_offsets()])
+                return DTensor.from_local(
+                    wrapper, value.device_mesh, value.placements, shape=value.shape, stride=value.stride(), run_check=False
+                )
+            return value.clone()
+        if isinstance(value, torch.Tensor):
+            return value.detach().clone()
+        if isinstance(value, Mapping):
+            return {key: visit(item) for key, item in value.items()}
+        if isinstance(value, list):
+            return [visit(item) for item in value]
+        return value
+
+    return visit(tree)
+
+
+# --------------------------------------------------------------------------- reading
+class CheckpointInfo:
+    """What a validated checkpoint directory holds: DCP metadata and the meta.pt contents."""
+
+    def __init__(self, path: Path, metadata: Metadata, meta: dict[str, Any]) -> None:
+        self.path = path
+        self.metadata = metadata
+        self.meta = meta
+
+    @property
+    def format(self) -> dict[str, Any]:
+        return self.meta.get(FORMAT_KEY, {})
+
+    def paths(self, prefix: str) -> dict[str, tuple]:
+        """Flat DCP key -> nested path, for the keys under ``prefix`` ("model", "optimizer_0")."""
+        planner_data = self.metadata.planner_data or {}
+        result = {}
+        for key in self.metadata.state_dict_metadata:
+            path = planner_data.get(key, tuple(key.split(".")))
+            if path and path[0] == prefix:
+                result[key] = tuple(path)
+        return result
+
+    @property
+    def model_key(self) -> str:
+        """"model" (ours, Lightning's FSDP layout) or "state_dict" (Lightning's ModelParallelStrategy)."""
+        prefixes = {path[0] for path in (self.metadata.planner_data or {}).values() if path}
+        return "state_dict" if MODEL_KEY not in prefixes and "state_dict" in prefixes else MODEL_KEY
+
+    def model_shapes(self) -> dict[str, tuple[int, ...]]:
+        shapes = {}
+        for key, path in self.paths(self.model_key).items():
+            item = self.metadata.state_dict_metadata[key]
+            if isinstance(item, TensorStorageMetadata):
+                shapes[".".join(str(p) for p in path[1:])] = tuple(item.size)
+        return shapes
+
+    @property
+    def optimizer_count(self) -> int:
+        keys = {path[0] for path in (self.metadata.planner_data or {}).values() if path}
+        return sum(1 for key in keys if str(key).startswith("optimizer_"))
+
+
+def _describe_unfinished(path: Path) -> str:
+    tmp = partial_path(path)
+    if tmp.exists():
+        return f" A save to this path did not finish (its partial data is in {tmp}); the last complete checkpoint is elsewhere."
+    return ""
+
+
+def inspect_checkpoint(path: str | os.PathLike, *, weights_only: bool | None = None) -> CheckpointInfo:
+    """Validate a checkpoint directory without touching any model; raise a ``CheckpointError`` naming the problem.
+
+    Checks: the directory exists and is complete (DCP ``.metadata`` and ``meta.pt``),
+    ``meta.pt`` is readable and its format version is one we read, and every data file
+    DCP refers to exists and is at least as long as the bytes recorded for it.
+    """
+    path = Path(path)
+    if not path.exists():
+        old = _hidden_sibling(path, OLD_PREFIX)
+        hint = f" (a previous version is at {old}; rename it back to use it)" if old.exists() else ""
+        raise MissingCheckpointError(f"no checkpoint at {path}.{_describe_unfinished(path)}{hint}")
+    if not path.is_dir():
+        raise CheckpointError(f"{path} is a file, not a sharded checkpoint directory (load it with torch.load)")
+    metadata_file = path / ".metadata"
+    if not metadata_file.is_file():
+        raise CorruptCheckpointError(
+            f"{path} is not a complete sharded checkpoint: DCP's '.metadata' is missing (the save did not finish, "
+            "or this is not a checkpoint directory)"
+        )
+    if not (path / META_FILENAME).is_file():
+        raise CorruptCheckpointError(f"{path} is not a complete checkpoint: '{META_FILENAME}' is missing (the save did not finish)")
+    try:
+        metadata = dcp.FileSystemReader(str(path)).read_metadata()
+    except Exception as error:
+        raise CorruptCheckpointError(f"{metadata_file} is unreadable ({type(error).__name__}: {error})") from error
+    meta = _load_meta(path / META_FILENAME, weights_only)
+    info = CheckpointInfo(path, metadata, meta)
+    fmt = info.format
+    if not fmt:
+        # A Lightning/FSDP2 sharded checkpoint (no ragged format record): readable, version 0.
+        fmt = {"format_version": 0}
+    version = fmt.get("format_version")
+    if not isinstance(version, int) or version > FORMAT_VERSION:
+        raise CheckpointVersionError(
+            f"{path} was written in checkpoint format version {version!r}; this lightning_ragged reads versions "
+            f"0..{FORMAT_VERSION}. Upgrade lightning_ragged (or consolidate the checkpoint with the version that wrote it)."
+        )
+    _check_data_files(path, metadata)
+    return info
+
+
+def _load_meta(file: Path, weights_only: bool | None) -> dict[str, Any]:
+    try:
+        return torch.load(file, map_location="cpu", weights_only=True if weights_only is None else weights_only)
+    except Exception as error:
+        if weights_only is None and isinstance(error, __import__("pickle").UnpicklingError):
+            warnings.warn(
+                f"{file} holds objects beyond tensors and plain containers ({str(error).splitlines()[0]}); loading it "
+                "with weights_only=False. Pass weights_only=True to refuse such checkpoints.",
+                stacklevel=3,
+            )
+            return torch.load(file, map_location="cpu", weights_only=False)
+        raise CorruptCheckpointError(f"{file} is unreadable ({type(error).__name__}: {error})") from error
+
+
+def _check_data_files(path: Path, metadata: Metadata) -> None:
+    needed: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        relative = getattr(info, "relative_path", None)
+        if relative is None:
+            continue
+        needed[relative] = max(needed.get(relative, 0), info.offset + info.length)
+    for relative, size in sorted(needed.items()):
+        file = path / relative
+        if not file.is_file():
+            raise CorruptCheckpointError(f"{path} is incomplete: data file {relative} is missing")
+        actual = file.stat().st_size
+        if actual < size:
+            raise CorruptCheckpointError(
+                f"{path} is truncated: data file {relative} has {actual} bytes, the checkpoint records {size}"
+            )
+
+
+def check_model_matches(info: CheckpointInfo, expected: Mapping[str, tuple[int, ...]], strict: bool = True) -> None:
+    """Raise ``CheckpointMismatchError`` naming missing/unexpected keys and shape mismatches."""
+    saved = info.model_shapes()
+    missing = sorted(expected.keys() - saved.keys())
+    unexpected = sorted(saved.keys() - expected.keys())
+    shapes = sorted(
+        f"{key}: checkpoint {list(saved[key])} vs model {list(expected[key])}"
+        for key in expected.keys() & saved.keys()
+        if tuple(saved[key]) != tuple(expected[key])
+    )
+    problems = []
+    if missing and strict:
+        problems.append(f"missing keys (in the model, not in the checkpoint): {_short(missing)}")
+    if unexpected and strict:
+        problems.append(f"unexpected keys (in the checkpoint, not in the model): {_short(unexpected)}")
+    if shapes:
+        problems.append(f"shape mismatch: {_short(shapes)}")
+    if problems:
+        raise CheckpointMismatchError(f"{info.path} holds a different model: " + "; ".join(problems))
+
+
+def _short(items: Sequence[str], limit: int = 8) -> str:
+    shown = ", ".join(items[:limit])
+    return shown + (f" ... and {len(items) - limit} more" if len(items) > limit else "")
+
+
+def _set_path(root: dict, path: tuple, value: Any) -> None:
+    from torch.distributed.checkpoint._traverse import set_element
+
+    set_element(root, path, value)
+
+
+def load_sharded_model_state_dict(module: nn.Module, info: CheckpointInfo | str | os.PathLike, strict: bool = True) -> None:
+    """Load the checkpoint's model in place into ``module`` (sharded: its DBuffer views; plain: its tensors).
+
+    Validates keys and shapes first. Any saved layout (world size, granularity, planner,
+    HSDP degree) loads into the current one.
+    """
+    if not isinstance(info, CheckpointInfo):
+        info = inspect_checkpoint(info)
+    check_model_matches(info, expected_model_shapes(module), strict=strict)
+    template = sharded_model_state_dict(module)
+    saved = set(info.model_shapes())
+    template = {key: value for key, value in template.items() if key in saved}
+    planner = dcp.DefaultLoadPlanner(allow_partial_load=not strict)
+    with _quiet_without_process_group():
+        dcp.load({info.model_key: template}, storage_reader=dcp.FileSystemReader(str(info.path)), planner=planner)
+    # Tensors were loaded in place; non-tensor extra state comes back as new objects.
+    rest = {key: value for key, value in template.items() if not isinstance(value, torch.Tensor)}
+    if rest:
+        module.load_state_dict(rest, strict=False)
+
+
+def load_sharded_optimizer_state_dict(
+    module: nn.Module | None,
+    optimizer: torch.optim.Optimizer,
+    info: CheckpointInfo | str | os.PathLike,
+    key: str = "optimizer_0",
+) -> None:
+    """Load ``key`` of the checkpoint into ``optimizer`` at the current layout (any saved layout)."""
+    if not isinstance(info, CheckpointInfo):
+        info = inspect_checkpoint(info)
+    paths = info.paths(key)
+    if not paths:
+        raise CheckpointMismatchError(f"{info.path} holds no optimizer state {key!r} (it has {info.optimizer_count})")
+    names = _optimizer_param_names(module, optimizer)
+    by_name = {names[id(p)]: p for group in optimizer.param_groups for p in group["params"]}
+    ragged = _is_ragged_optimizer(optimizer)
+    template: dict[str, Any] = {}
+    local: dict[tuple[str, str], torch.Tensor] = {}  # (name, entry) -> this rank's tensor of a sharded entry
+    unknown = set()
+    for flat_key, path in paths.items():
+        item = info.metadata.state_dict_metadata[flat_key]
+        if len(path) >= 4 and path[1] == "state" and path[2] not in by_name:
+            unknown.add(path[2])
+            continue
+        if not isinstance(item, TensorStorageMetadata):
+            _set_path(template, path, None)  # param_groups, format, non-tensor state: DCP fills them in
+            continue
+        if len(path) < 4 or path[1] != "state":
+            _set_path(template, path, torch.empty(tuple(item.size), dtype=item.properties.dtype))
+            continue
+        name, entry = path[2], path[3]
+        param = by_name[name]
+        shard = _shard_or_whole(param, name)
+        sharded = getattr(param, "ragged_shard", None) is not None
+        dtype, size = item.properties.dtype, tuple(item.size)
+        layout = optimizer.state_layout(param).get(entry) if ragged else None
+        if len(path) > 4 or layout is None or layout == "tiles":
+            layout = "tiles" if len(path) > 4 else ("flat" if size == tuple(shard.global_shape) and size else "scalar")
+        if layout == "flat" and sharded:
+            if size != tuple(shard.global_shape):
+                raise CheckpointMismatchError(
+                    f"optimizer state {entry!r} of {name!r} has shape {list(size)} in {info.path}, the parameter "
+                    f"{list(shard.global_shape)}"
+                )
+            tensor = torch.empty(shard.local_numel, dtype=dtype, device=param.device)
+            local[(name, entry)] = tensor
+            wrapped = shard_as_dtensor(tensor, shard)
+        elif layout.startswith("blocks:") and sharded:
+            first, last, total = _block_range(shard, int(layout.split(":", 1)[1]))
+            rest = size[1:]
+            tensor = torch.empty((last - first, *rest), dtype=dtype, device=param.device)
+            local[(name, entry)] = tensor
+            boxes = [((first, *[0] * len(rest)), (last - first, *rest))] if last > first else []
+            wrapped = boxes_as_dtensor(tensor.reshape(-1), boxes, (total, *rest), shard.process_group)
+        else:  # scalars, tiles, and every state of an unsharded parameter: the whole saved tensor
+            wrapped = torch.empty(size, dtype=dtype, device=param.device)
+        if wrapped is not None:
+            _set_path(template, path, wrapped)
+    if unknown:
+        raise CheckpointMismatchError(
+            f"{info.path} {key!r} holds optimizer state for parameters the optimizer does not have: {_short(sorted(unknown))}"
+        )
+    with _quiet_without_process_group():
+        dcp.load(template, storage_reader=dcp.FileSystemReader(str(info.path)))
+    saved = template.get(key, {})
+    local_state: dict[str, dict[str, Any]] = saved.get("state", {})
+    for (name, entry), tensor in local.items():
+        local_state.setdefault(name, {})[entry] = tensor
+    groups = saved.get("param_groups", [])
+    current = [[names[id(p)] for p in group["params"]] for group in optimizer.param_groups]
+    saved_names = [list(group.get("params", [])) for group in groups]
+    if saved_names != current:
+        raise CheckpointMismatchError(
+            f"{info.path} {key!r} was saved for other parameter groups: saved {saved_names}, optimizer has {current}"
+        )
+    if ragged:
+        state = {
+            "state": local_state,
+            "param_groups": groups,
+            "ragged": {},
+        }
+        optimizer.load_state_dict(state)
+        return
+    index = {}
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            index[names[id(param)]] = len(index)
+    torch_state = {}
+    for name, entries in local_state.items():
+        param = by_name[name]
+        torch_state[index[name]] = {
+            entry: (value.view(param.shape) if value.dim() and value.numel() == param.numel() and value.dim() != param.dim() else value)
+            for entry, value in entries.items()
+        }
+    torch_groups = []
+    for group, saved_group in zip(optimizer.param_groups, groups):
+        restored = {k: v for k, v in saved_group.items() if k != "params"}
+        restored["params"] = [index[names[id(p)]] for p in group["params"]]
+        if "param_names" in group:
+            restored["param_names"] = group["param_names"]
+        torch_groups.append(restored)
+    optimizer.load_state_dict({"state": torch_state, "param_groups": torch_groups})
+
+
+# --------------------------------------------------------------------- convenience API
+_DEFAULT_WRITER = CheckpointWriter()
+
+
+def save(
+    path: str | os.PathLike,
+    module: nn.Module | None = None,
+    optimizers: Iterable[torch.optim.Optimizer] = (),
+    extra: Mapping[str, Any] | None = None,
+    *,
+    compress: bool = False,
+    async_save: bool = False,
+    full: bool = False,
+    writer: CheckpointWriter | None = None,
+) -> None:
+    """Save a module (and optimizers, and picklable extras) as a sharded checkpoint directory (collective).
+
+    ``full=True`` writes one ordinary single-file checkpoint instead (see ``CheckpointWriter.save``).
+    """
+    checkpoint: dict[str, Any] = dict(extra or {})
+    if module is not None:
+        checkpoint[MODEL_KEY] = sharded_model_state_dict(module)
+    for index, optimizer in enumerate(optimizers):
+        checkpoint[f"optimizer_{index}"] = sharded_optimizer_state_dict(module, optimizer)
+    (writer or _DEFAULT_WRITER).save(checkpoint, path, compress=compress, async_save=async_save, full=full)
+
+
+def wait_for_pending_save(writer: CheckpointWriter | None = None) -> None:
+    (writer or _DEFAULT_WRITER).wait()
+
+
+def load(
+    path: str | os.PathLike,
+    module: nn.Module | None = None,
+    optimizers: Iterable[torch.optim.Optimizer] = (),
+    *,
+    strict: bool = True,
+    weights_only: bool | None = None,
+) -> dict[str, Any]:
+    """Validate, then load the model and optimizers in place; return meta.pt's contents (the rest).
+
+    ``path`` is a sharded checkpoint directory (any layout) or an ordinary single-file
+    checkpoint (``full=True`` or consolidated; loaded memory-mapped, sliced to the shards).
+    """
+    if Path(path).is_file():
+        return _load_file(Path(path), module, list(optimizers), strict=strict, weights_only=weights_only)
+    info = inspect_checkpoint(path, weights_only=weights_only)
+    optimizers = list(optimizers)
+    if module is not None:
+        check_model_matches(info, expected_model_shapes(module), strict=strict)
+    if optimizers and info.optimizer_count < len(optimizers):
+        raise CheckpointMismatchError(
+            f"{info.path} holds {info.optimizer_count} optimizer state(s), {len(optimizers)} optimizer(s) given"
+            + (" (it was saved with weights only)" if info.optimizer_count == 0 else "")
+        )
+    if module is not None:
+        load_sharded_model_state_dict(module, info, strict=strict)
+    for index, optimizer in enumerate(optimizers):
+        load_sharded_optimizer_state_dict(module, optimizer, info, f"optimizer_{index}")
+    return {k: v for k, v in info.meta.items() if k != FORMAT_KEY}
+
+
+# ---------------------------------------------------------------- single-file checkpoints
+def _read_file(path: Path, weights_only: bool | None) -> dict[str, Any]:
+    """torch.load a single-file checkpoint memory-mapped (safe types first unless told otherwise)."""
+    try:
+        return torch.load(path, map_location="cpu", mmap=True, weights_only=True if weights_only is None else weights_only)
+    except Exception as error:
+        if weights_only is None and isinstance(error, __import__("pickle").UnpicklingError):
+            return torch.load(path, map_location="cpu", mmap=True, weights_only=False)
+        raise CorruptCheckpointError(f"{path} is unreadable ({type(error).__name__}: {error})") from error
+
+
+def _load_file(
+    path: Path, module: nn.Module | None, optimizers: list[torch.optim.Optimizer], *, strict: bool, weights_only: bool | None
+) -> dict[str, Any]:
+    checkpoint = _read_file(path, weights_only)
+    if module is not None:
+        load_full_model_state_dict(module, checkpoint.get("state_dict", checkpoint.get(MODEL_KEY, {})), strict=strict, source=path)
+    states = checkpoint.get("optimizer_states", [])
+    if optimizers and len(states) < len(optimizers):
+        raise CheckpointMismatchError(f"{path} holds {len(states)} optimizer state(s), {len(optimizers)} optimizer(s) given")
+    for optimizer, state in zip(optimizers, states):
+        load_full_optimizer_state_dict(module, optimizer, state)
+    return {k: v for k, v in checkpoint.items() if k not in ("state_dict", MODEL_KEY, "optimizer_states", FORMAT_KEY)}
+
+
+def load_full_model_state_dict(
+    module: nn.Module, state_dict: Mapping[str, Any], strict: bool = True, source: Any = "the state dict"
+) -> None:
+    """Check keys and shapes, then copy this rank's pieces of full tensors into the shards (or the plain module)."""
+    expected = expected_model_shapes(module)
+    saved = {k: tuple(v.shape) for k, v in state_dict.items() if isinstance(v, torch.Tensor)}
+    missing = sorted(expected.keys() - saved.keys())
+    unexpected = sorted(saved.keys() - expected.keys())
+    shapes = sorted(
+        f"{k}: checkpoint {list(saved[k])} vs model {list(expected[k])}" for k in expected.keys() & saved.keys() if saved[k] != expected[k]
+    )
+    problems = []
+    if missing and strict:
+        problems.append(f"missing keys (in the model, not in the checkpoint): {_short(missing)}")
+    if unexpected and strict:
+        problems.append(f"unexpected keys (in the checkpoint, not in the model): {_short(unexpected)}")
+    if shapes:
+        problems.append(f"shape mismatch: {_short(shapes)}")
+    if problems:
+        raise CheckpointMismatchError(f"{source} holds a different model: " + "; ".join(problems))
+    sharded = _sharded_params(module)
+    with torch.no_grad():
+        for key, param in sharded.items():
+            if key in state_dict:
+                start, end = param.ragged_shard.local_range
+                param.copy_(state_dict[key].reshape(-1)[start:end])
+    rest = {k: v for k, v in state_dict.items() if k not in sharded and k in expected}
+    if rest or not sharded:
+        module.load_state_dict(rest, strict=False)
+
+
+def load_full_optimizer_state_dict(module: nn.Module | None, optimizer: torch.optim.Optimizer, state: Mapping[str, Any]) -> None:
+    """Load a full (consolidated) optimizer state, slicing per-parameter states to this rank's shard."""
+    if _is_ragged_optimizer(optimizer):
+        optimizer.load_state_dict(dict(state) if "ragged" in state else {**state, "ragged": {}})
+        return
+    names = _optimizer_param_names(module, optimizer)
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    named = state.get("format") == "torch" or any(isinstance(k, str) for k in state.get("state", {}))
+    if named:  # our named layout (e.g. read back from a directory by other tools)
+        index = {name: i for i, name in enumerate(n for g in state["param_groups"] for n in g["params"])}
+        state = {
+            "state": {index[name]: entries for name, entries in state["state"].items()},
+            "param_groups": [{**g, "params": [index[n] for n in g["params"]]} for g in state["param_groups"]],
+        }
+    saved_count = sum(len(g["params"]) for g in state["param_groups"])
+    if saved_count != len(params):
+        raise CheckpointMismatchError(f"optimizer state covers {saved_count} parameters, the optimizer has {len(params)}")
+    local_state = {}
+    for idx, entries in state["state"].items():
+        param = params[idx]
+        shard = _shard_or_whole(param, names.get(id(param), str(idx)))
+        sharded = getattr(param, "ragged_shard", None) is not None
+        local_entries = {}
+        for key, value in entries.items():
+            if sharded and isinstance(value, torch.Tensor) and value.dim() and tuple(value.shape) == tuple(shard.global_shape):
+                start, end = shard.local_range
+                value = value.reshape(-1)[start:end]
+            local_entries[key] = value.clone() if isinstance(value, torch.Tensor) else value
+        local_state[idx] = local_entries
+    optimizer.load_state_dict({"state": local_state, "param_groups": state["param_groups"]})
+
+
+# ------------------------------------------------------------------- Lightning glue
+class LightningCheckpointIO:
+    """What ``RaggedFSDPStrategy`` does for checkpoints; the strategy only delegates here.
+
+    * ``state_dict()`` / ``optimizer_state()``: DTensor views of the shards (no gather).
+    * ``save()``: a sharded directory (``state_dict_type="sharded"``) or one ordinary file
+      (``"full"``), atomically, optionally Zstandard-compressed and/or asynchronous.
+    * ``load()``: validates, loads the model and (when fitting) the optimizers in place
+      at the current layout, and returns the rest for Lightning (loops, callbacks,
+      schedulers). A weights-only checkpoint resumes the weights and warns that the
+      optimizer state is absent. Ordinary single-file checkpoints load too.
+    * ``remove()``: directories, files and ``save_last="link"`` symlinks.
+    """
+
+    def __init__(self, state_dict_type: str = "sharded", compress: bool = False, async_save: bool = False) -> None:
+        self.state_dict_type = state_dict_type
+        self.compress = compress
+        self.async_save = async_save
+        self.writer = CheckpointWriter()
+
+    def state_dict(self, module: nn.Module) -> dict[str, Any]:
+        return sharded_model_state_dict(module)
+
+    def optimizer_state(self, module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        return sharded_optimizer_state_dict(module, optimizer)
+
+    def save(self, checkpoint: dict[str, Any], path: str | os.PathLike, storage_options: Any = None) -> None:
+        if storage_options is not None:
+            raise TypeError(
+                "RaggedFSDPStrategy.save_checkpoint(..., storage_options=...) is not supported: checkpoints are "
+                "written with torch.distributed.checkpoint, not a CheckpointIO plugin"
+            )
+        self.writer.save(
+            checkpoint,
+            path,
+            compress=self.compress,
+            async_save=self.async_save,
+            full=self.state_dict_type == "full",
+        )
+
+    def load(
+        self,
+        module: nn.Module,
+        optimizers: Sequence[torch.optim.Optimizer],
+        path: str | os.PathLike,
+        *,
+        fitting: bool,
+        strict: bool = True,
+        weights_only: bool | None = None,
+    ) -> dict[str, Any]:
+        self.writer.wait()
+        path = Path(path)
+        if path.is_file():
+            checkpoint = _read_file(path, weights_only)
+            state_dict = checkpoint.get("state_dict", checkpoint.get(MODEL_KEY, {}))
+            load_full_model_state_dict(module, state_dict, strict=strict, source=path)
+            states = list(checkpoint.get("optimizer_states", []))
+            rest = {k: v for k, v in checkpoint.items() if k not in ("state_dict", MODEL_KEY, "optimizer_states", FORMAT_KEY)}
+            optimizer_count = len(states)
+            load_optimizers = lambda: [  # noqa: E731
+                load_full_optimizer_state_dict(module, optimizer, state) for optimizer, state in zip(optimizers, states)
+            ]
+        else:
+            info = inspect_checkpoint(path, weights_only=weights_only)
+            check_model_matches(info, expected_model_shapes(module), strict=strict)
+            load_sharded_model_state_dict(module, info, strict=strict)
+            rest = {k: v for k, v in info.meta.items() if k != FORMAT_KEY}
+            optimizer_count = info.optimizer_count
+            load_optimizers = lambda: [  # noqa: E731
+                load_sharded_optimizer_state_dict(module, optimizer, info, f"optimizer_{i}")
+                for i, optimizer in enumerate(optimizers)
+            ]
+        if fitting and optimizers:
+            if optimizer_count == 0:
+                _rank_zero_warn(
+                    f"{path} was saved with weights only (e.g. ModelCheckpoint(save_weights_only=True)): the model "
+                    "weights are restored, but the optimizer and LR-scheduler states are absent, so the optimizers "
+                    "start fresh."
+                )
+                rest.setdefault("lr_schedulers", [])
+            elif optimizer_count != len(optimizers):
+                raise CheckpointMismatchError(
+                    f"{path} holds {optimizer_count} optimizer state(s) but the LightningModule configures "
+                    f"{len(optimizers)} optimizer(s)"
+                )
+            else:
+                load_optimizers()
+        return rest
+
+    def remove(self, path: str | os.PathLike) -> None:
+        """Rank 0 only (Lightning calls it on every rank and filters)."""
+        pending = self.writer.pending
+        if pending is not None:
+            pending.wait()  # never delete next to a directory that is still being renamed
+        remove_checkpoint(path)
+
+    def teardown(self) -> None:
+        pending, self.writer.pending = self.writer.pending, None
+        if pending is not None:
+            pending.wait()
+
+
+def _rank_zero_warn(message: str) -> None:
+    if _is_rank_zero():
+        warnings.warn(message, stacklevel=3)

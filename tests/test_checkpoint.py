@@ -1,0 +1,455 @@
+"""Sharded checkpoints at the engine level: exact resume, resharding, options, validation, crash safety.
+
+Distributed checks run on the shared gloo pools (2, 3 and 1 ranks); each ``check_*``
+loops over many configurations inside one task so the pools are started once.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import shutil
+import signal
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import lightning_ragged as lr
+from lightning_ragged import checkpoint as ck
+from tests.models import lm_loss, make_batches, make_model
+
+BATCH = 6  # global batch: divisible by 1, 2 and 3 ranks
+GRANULARITIES = {
+    "element": dict(shard_granularity="element"),
+    "row": dict(shard_granularity="row"),
+    "block": dict(shard_granularity="block", block_rows=2),
+    "matrix": dict(shard_granularity="matrix"),
+}
+PLANNERS = ("optimal", "greedy")
+CONFIGS = [(g, p) for g in GRANULARITIES for p in PLANNERS]
+
+
+def _kwargs(config: tuple[str, str]) -> dict:
+    granularity, planner = config
+    return dict(GRANULARITIES[granularity], planning_algorithm=planner)
+
+
+def _rotated(config: tuple[str, str]) -> tuple[str, str]:
+    """A different granularity and the other planner: resumes never reuse the saved layout."""
+    names = list(GRANULARITIES)
+    return names[(names.index(config[0]) + 1) % len(names)], PLANNERS[1 - PLANNERS.index(config[1])]
+
+
+def _step(model, optimizers, batch: torch.Tensor) -> float:
+    """One step on this rank's slice of the global batch; returns the global mean loss."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    per = batch.shape[0] // world
+    loss = lm_loss(model, batch[rank * per : (rank + 1) * per])
+    loss.backward()
+    for optimizer in optimizers:
+        optimizer.step()
+        optimizer.zero_grad()
+    total = loss.detach().clone()
+    dist.all_reduce(total)
+    return total.item() / world
+
+
+def _adamw(model):
+    return [torch.optim.AdamW(model.parameters(), lr=1e-2)]
+
+
+def _muon_and_adamw(model):
+    from lightning_ragged.optim import Muon, split_muon_params
+
+    muon, other = split_muon_params(model.named_parameters())
+    return [Muon([p for _, p in muon], lr=2e-2), torch.optim.AdamW([p for _, p in other], lr=1e-2)]
+
+
+OPTIMIZERS = {"adamw": _adamw, "muon": _muon_and_adamw}
+
+
+def _local_state(model, optimizers) -> dict[str, torch.Tensor]:
+    out = {f"param.{n}": p.detach().clone() for n, p in model.named_parameters()}
+    for i, optimizer in enumerate(optimizers):
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        for j, param in enumerate(params):
+            for key, value in optimizer.state.get(param, {}).items():
+                if isinstance(value, torch.Tensor):
+                    out[f"opt{i}.{j}.{key}"] = value.detach().clone()
+    return out
+
+
+# --------------------------------------------------------------------- exact resume
+def check_resume_is_bit_identical(root: str, optimizer_kind: str) -> dict:
+    make_optimizers = OPTIMIZERS[optimizer_kind]
+    data = make_batches(6, BATCH)
+    model = lr.fully_shard(make_model(), shard_granularity="row")
+    optimizers = make_optimizers(model)
+    for step in range(6):
+        _step(model, optimizers, data[step])
+    uninterrupted = _local_state(model, optimizers)
+
+    first = lr.fully_shard(make_model(), shard_granularity="row")
+    first_opts = make_optimizers(first)
+    for step in range(3):
+        _step(first, first_opts, data[step])
+    ck.save(f"{root}/{optimizer_kind}", first, first_opts, {"step": 3})
+    del first, first_opts
+
+    resumed = lr.fully_shard(make_model(seed=7), shard_granularity="row")  # other init: the load must overwrite
+    resumed_opts = make_optimizers(resumed)
+    extra = ck.load(f"{root}/{optimizer_kind}", resumed, resumed_opts)
+    for step in range(extra["step"], 6):
+        _step(resumed, resumed_opts, data[step])
+    got = _local_state(resumed, resumed_opts)
+    assert got.keys() == uninterrupted.keys(), sorted(set(got) ^ set(uninterrupted))
+    return {key: torch.equal(got[key], uninterrupted[key]) for key in got}
+
+
+@pytest.mark.parametrize("optimizer_kind", ["adamw", "muon"])
+def test_resume_same_world_size_is_bit_identical(dist_pool, tmp_path, optimizer_kind: str) -> None:
+    for result in dist_pool(2).run(check_resume_is_bit_identical, str(tmp_path), optimizer_kind):
+        assert all(result.values()), [k for k, same in result.items() if not same]
+
+
+# ----------------------------------------------------------------------- resharding
+def check_train_and_save(root: str, tag: str, steps_total: int) -> dict:
+    """For every config: 3 steps then save (and, for the reference, the uninterrupted losses)."""
+    data = make_batches(steps_total, BATCH)
+    losses = {}
+    for config in CONFIGS:
+        model = lr.fully_shard(make_model(), **_kwargs(config))
+        optimizers = _adamw(model)
+        trace = [_step(model, optimizers, data[step]) for step in range(3)]
+        ck.save(f"{root}/{tag}-{config[0]}-{config[1]}", model, optimizers, {"step": 3})
+        trace += [_step(model, optimizers, data[step]) for step in range(3, steps_total)]
+        losses[config] = trace
+    return losses
+
+
+def check_resume(root: str, tag: str, steps_total: int) -> dict:
+    """For every saved config: load with another granularity/planner here, train to the end."""
+    data = make_batches(steps_total, BATCH)
+    losses = {}
+    for config in CONFIGS:
+        model = lr.fully_shard(make_model(seed=11), **_kwargs(_rotated(config)))
+        optimizers = _adamw(model)
+        extra = ck.load(f"{root}/{tag}-{config[0]}-{config[1]}", model, optimizers)
+        losses[config] = [_step(model, optimizers, data[step]) for step in range(extra["step"], steps_total)]
+    return losses
+
+
+@pytest.fixture(scope="module")
+def reshard_root():
+    root = tempfile.mkdtemp(prefix="ragged_reshard_")
+    yield root
+    shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.mark.parametrize("saved_at,resumed_at", [(2, 3), (2, 1), (3, 2)])
+def test_resharded_resume_matches_uninterrupted(dist_pool, reshard_root, saved_at: int, resumed_at: int) -> None:
+    tag = f"w{saved_at}"
+    if not Path(reshard_root, f"{tag}-row-optimal").exists():
+        references = dist_pool(saved_at).run(check_train_and_save, reshard_root, tag, 6)[0]
+        Path(reshard_root, f"{tag}.ref").write_text(repr({f"{g}-{p}": v for (g, p), v in references.items()}))
+    references = eval(Path(reshard_root, f"{tag}.ref").read_text())  # noqa: S307 - our own repr of floats
+    resumed = dist_pool(resumed_at).run(check_resume, reshard_root, tag, 6)[0]
+    for (granularity, planner), losses in resumed.items():
+        expected = references[f"{granularity}-{planner}"][3:]
+        assert max(abs(a - b) for a, b in zip(losses, expected)) < 1e-5, (granularity, planner, losses, expected)
+
+
+# ------------------------------------------------------------------------- HSDP
+def check_hsdp_round_trip(root: str) -> dict:
+    """HSDP (2 replicas x 1-rank shard groups) -> plain 2-rank FSDP and back: losses match uninterrupted."""
+    shard_group, _ = dist.new_subgroups_by_enumeration([[0], [1]])
+    replicate_group, _ = dist.new_subgroups_by_enumeration([[0, 1]])
+    hsdp = dict(process_group=shard_group, replicate_group=replicate_group, shard_granularity="row")
+    layouts = {"hsdp": hsdp, "fsdp": dict(shard_granularity="element")}
+    data = make_batches(6, BATCH)
+    worst = 0.0
+    for saved, resumed in (("hsdp", "fsdp"), ("fsdp", "hsdp")):
+        model = lr.fully_shard(make_model(), **layouts[saved])
+        optimizers = _adamw(model)
+        trace = [_step(model, optimizers, data[step]) for step in range(3)]
+        ck.save(f"{root}/{saved}", model, optimizers)
+        trace += [_step(model, optimizers, data[step]) for step in range(3, 6)]
+        model = lr.fully_shard(make_model(seed=2), **layouts[resumed])
+        optimizers = _adamw(model)
+        ck.load(f"{root}/{saved}", model, optimizers)
+        resumed_trace = [_step(model, optimizers, data[step]) for step in range(3, 6)]
+        worst = max(worst, max(abs(a - b) for a, b in zip(resumed_trace, trace[3:])))
+    return {"worst": worst}
+
+
+def test_hsdp_checkpoint_reshards_to_fsdp_and_back(dist_pool, tmp_path) -> None:
+    result = dist_pool(2).run(check_hsdp_round_trip, str(tmp_path))[0]
+    assert result["worst"] < 1e-5, result
+
+
+# ------------------------------------------------------- FSDP2 / ModelParallelStrategy
+def check_fsdp2_checkpoint_resumes_ragged(root: str) -> float:
+    """A directory as Lightning's ModelParallelStrategy writes it (FSDP2 + DCP) resumes a ragged model."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+    from torch.distributed.fsdp import fully_shard as fsdp2
+
+    data = make_batches(6, BATCH)
+    model = make_model()
+    for block in model.blocks:
+        fsdp2(block)
+    fsdp2(model)
+    optimizers = _adamw(model)
+    trace = [_step(model, optimizers, data[step]) for step in range(3)]
+    state = {"state_dict": get_model_state_dict(model), "optimizer_0": get_optimizer_state_dict(model, optimizers[0])}
+    dcp.save(state, checkpoint_id=f"{root}/fsdp2")
+    if dist.get_rank() == 0:
+        torch.save({"global_step": 3}, f"{root}/fsdp2/meta.pt")
+    dist.barrier()
+    trace += [_step(model, optimizers, data[step]) for step in range(3, 6)]
+    ragged = lr.fully_shard(make_model(seed=3), shard_granularity="row")
+    ragged_opts = _adamw(ragged)
+    assert ck.load(f"{root}/fsdp2", ragged, ragged_opts) == {"global_step": 3}
+    resumed = [_step(ragged, ragged_opts, data[step]) for step in range(3, 6)]
+    return max(abs(a - b) for a, b in zip(resumed, trace[3:]))
+
+
+def test_lightning_model_parallel_checkpoint_resumes_a_ragged_model(dist_pool, tmp_path) -> None:
+    assert dist_pool(2).run(check_fsdp2_checkpoint_resumes_ragged, str(tmp_path))[0] < 1e-5
+
+
+# ------------------------------------------------------------------ plain nn.Module
+def test_sharded_checkpoint_loads_into_a_plain_module(dist_pool, reshard_root) -> None:
+    path = Path(reshard_root, "w2-element-greedy")
+    if not path.exists():
+        pytest.skip("needs the 2-rank checkpoints of the resharding test")
+    reference = make_model()
+    data = make_batches(6, BATCH)
+    opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    for step in range(3):
+        lm_loss(reference, data[step]).backward()
+        opt.step()
+        opt.zero_grad()
+    plain = make_model(seed=3)
+    plain_opt = torch.optim.AdamW(plain.parameters(), lr=1e-2)
+    ck.load(path, plain, [plain_opt])
+    for key, value in reference.state_dict().items():
+        torch.testing.assert_close(plain.state_dict()[key], value, rtol=0, atol=1e-6)
+    for param, ref_param in zip(plain.parameters(), reference.parameters()):
+        torch.testing.assert_close(plain_opt.state[param]["exp_avg"], opt.state[ref_param]["exp_avg"], rtol=0, atol=1e-6)
+
+
+# -------------------------------------------------------- full / compressed / async
+def check_options_reload(root: str) -> dict:
+    data = make_batches(4, BATCH)
+    model = lr.fully_shard(make_model(), shard_granularity="row")
+    optimizers = _adamw(model)
+    writer = ck.CheckpointWriter()
+    expected = {}
+    saves = {
+        "plain": dict(),
+        "zstd": dict(compress=True),
+        "async": dict(async_save=True),
+        "async_zstd": dict(async_save=True, compress=True),
+        "full.ckpt": dict(full=True),
+    }
+    for step, (name, options) in enumerate(saves.items()):
+        _step(model, optimizers, data[step % len(data)])
+        ck.save(f"{root}/{name}", model, optimizers, writer=writer, **options)
+        expected[name] = _local_state(model, optimizers)  # taken before the async write finishes
+        _step(model, optimizers, data[(step + 1) % len(data)])  # training goes on while it is written
+    writer.wait()
+    same = {"in_step": _state_dict_is_sharded_inside_a_step()}
+    for name in saves:
+        restored = lr.fully_shard(make_model(seed=5), shard_granularity="row")
+        restored_opts = _adamw(restored)
+        ck.load(f"{root}/{name}", restored, restored_opts)
+        got = _local_state(restored, restored_opts)
+        same[name] = all(torch.equal(got[k], expected[name][k]) for k in expected[name]) and got.keys() == expected[name].keys()
+    return same
+
+
+def _state_dict_is_sharded_inside_a_step() -> bool:
+    """Between forward and backward the modules point at full parameters; the state dict is still the shards."""
+    from torch.distributed.tensor import DTensor
+
+    model = lr.fully_shard(make_model(), shard_granularity="row", reshard_after_forward=False)
+    names = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+    loss = lm_loss(model, make_batches(1, BATCH)[0][dist.get_rank() :: dist.get_world_size()])
+    state = ck.sharded_model_state_dict(model)
+    loss.backward()
+    return all(isinstance(value, DTensor) for key, value in state.items() if key in names)
+
+
+def test_full_compressed_and_async_saves_reload_the_same_state(dist_pool, tmp_path) -> None:
+    result = dist_pool(2).run(check_options_reload, str(tmp_path))[0]
+    assert all(result.values()), result
+    assert (tmp_path / "full.ckpt").is_file()
+    full = torch.load(tmp_path / "full.ckpt", weights_only=True)
+    assert set(full) >= {"state_dict", "optimizer_states"}
+    size = lambda name: sum(f.stat().st_size for f in (tmp_path / name).glob("*.distcp"))  # noqa: E731
+    assert size("zstd") < size("plain")
+    assert not any(p.name.startswith(".ragged") for p in tmp_path.iterdir()), sorted(os.listdir(tmp_path))
+
+
+def test_compression_without_zstandard_is_a_clear_error(monkeypatch, tmp_path) -> None:
+    from torch.distributed.checkpoint import _extension
+
+    monkeypatch.setattr(_extension.ZStandard, "is_available", staticmethod(lambda: False))
+    with pytest.raises(RuntimeError, match="pip install zstandard"):
+        ck.save(tmp_path / "c", make_model(), compress=True)
+
+
+# -------------------------------------------------------------------- consolidation
+def test_consolidated_file_is_an_ordinary_checkpoint(reshard_root, tmp_path) -> None:
+    path = Path(reshard_root, "w2-row-optimal")
+    if not path.exists():
+        pytest.skip("needs the 2-rank checkpoints of the resharding test")
+    from lightning_ragged.consolidate import main
+
+    assert main([str(path), str(tmp_path / "out.ckpt")]) == 0
+    checkpoint = torch.load(tmp_path / "out.ckpt", weights_only=True)  # plain torch, no lightning_ragged types
+    plain = make_model(seed=9)
+    plain.load_state_dict(checkpoint["state_dict"])
+    direct = make_model(seed=8)
+    ck.load(path, direct)
+    for key, value in direct.state_dict().items():
+        assert torch.equal(plain.state_dict()[key], value), key
+    optimizer = torch.optim.AdamW(plain.parameters(), lr=1e-2)
+    optimizer.load_state_dict(checkpoint["optimizer_states"][0])  # torch's index-keyed layout
+    assert checkpoint["step"] == 3
+    assert main([str(path), str(tmp_path / "out.ckpt")]) == 1  # refuses to overwrite
+
+
+# ------------------------------------------------------------- bad checkpoints
+@pytest.fixture()
+def saved(tmp_path) -> Path:
+    """A small single-process checkpoint to break in various ways."""
+    model = make_model()
+    ck.save(tmp_path / "good", model, [torch.optim.AdamW(model.parameters())], {"step": 1})
+    return tmp_path / "good"
+
+
+def test_missing_checkpoint_names_the_path(tmp_path) -> None:
+    with pytest.raises(ck.MissingCheckpointError, match="no checkpoint at .*nowhere"):
+        ck.load(tmp_path / "nowhere", make_model())
+
+
+def test_unfinished_save_is_reported_and_not_a_checkpoint(saved) -> None:
+    partial = ck.partial_path(saved.parent / "next")
+    shutil.copytree(saved, partial)
+    with pytest.raises(ck.MissingCheckpointError, match="did not finish"):
+        ck.load(saved.parent / "next", make_model())
+
+
+def test_missing_meta_means_incomplete(saved) -> None:
+    (saved / ck.META_FILENAME).unlink()
+    with pytest.raises(ck.CorruptCheckpointError, match="meta.pt' is missing"):
+        ck.load(saved, make_model())
+
+
+def test_truncated_data_file_is_detected_before_loading(saved) -> None:
+    data = next(saved.glob("*.distcp"))
+    with open(data, "r+b") as handle:
+        handle.truncate(data.stat().st_size // 2)
+    model = make_model(seed=4)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ck.CorruptCheckpointError, match=f"truncated: data file {data.name}"):
+        ck.load(saved, model)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # untouched
+
+
+def test_unreadable_format_version(saved) -> None:
+    meta = torch.load(saved / ck.META_FILENAME, weights_only=True)
+    meta[ck.FORMAT_KEY]["format_version"] = ck.FORMAT_VERSION + 1
+    torch.save(meta, saved / ck.META_FILENAME)
+    with pytest.raises(ck.CheckpointVersionError, match=f"format version {ck.FORMAT_VERSION + 1}"):
+        ck.load(saved, make_model())
+
+
+def test_different_model_names_keys_and_shapes(saved) -> None:
+    other = make_model()
+    other.extra = torch.nn.Linear(2, 2)
+    other.pos = torch.nn.Parameter(torch.zeros(7, 13))
+    del other.norm
+    with pytest.raises(ck.CheckpointMismatchError) as error:
+        ck.load(saved, other)
+    message = str(error.value)
+    assert "missing keys" in message and "extra.weight" in message
+    assert "unexpected keys" in message and "norm.weight" in message
+    assert "shape mismatch" in message and "pos: checkpoint [6, 13] vs model [7, 13]" in message
+
+
+def test_weights_only_checkpoint_says_optimizer_state_is_absent(tmp_path) -> None:
+    model = make_model()
+    ck.save(tmp_path / "w", model)
+    with pytest.raises(ck.CheckpointMismatchError, match="saved with weights only"):
+        ck.load(tmp_path / "w", make_model(), [torch.optim.AdamW(model.parameters())])
+
+
+def test_remove_checkpoint_handles_dirs_files_and_links(saved) -> None:
+    link = saved.parent / "last.ckpt"
+    link.symlink_to(saved, target_is_directory=True)
+    ck.remove_checkpoint(link)
+    assert saved.is_dir() and not link.exists()
+    ck.remove_checkpoint(saved)
+    assert not saved.exists() and not list(saved.parent.glob(".ragged*"))
+
+
+# ------------------------------------------------------------ SIGKILL mid-save
+def _crash_worker(rank: int, root: str, init_file: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    model = lr.fully_shard(make_model(), shard_granularity="row")
+    optimizers = _adamw(model)
+    data = make_batches(2, BATCH)
+    _step(model, optimizers, data[0])
+    ck.save(f"{root}/epoch=0-step=1.ckpt", model, optimizers, {"step": 1})
+    ck.save(f"{root}/last.ckpt", model, optimizers, {"step": 1})
+    _step(model, optimizers, data[1])
+    if rank == 1:  # die in the middle of writing this rank's shards
+        from torch.distributed.checkpoint import filesystem
+
+        original = filesystem._write_item
+
+        def write_then_die(*args, **kwargs):
+            result = original(*args, **kwargs)
+            args[1].flush()
+            os.kill(os.getpid(), signal.SIGKILL)
+            return result
+
+        filesystem._write_item = write_then_die
+    ck.save(f"{root}/last.ckpt", model, optimizers, {"step": 2})
+
+
+def test_sigkill_mid_save_keeps_the_previous_checkpoint(tmp_path) -> None:
+    context = mp.get_context("spawn")
+    init_file = tempfile.mktemp(prefix="ragged_crash_")
+    workers = [context.Process(target=_crash_worker, args=(rank, str(tmp_path), init_file)) for rank in range(2)]
+    for worker in workers:
+        worker.start()
+    workers[1].join(timeout=120)
+    assert workers[1].exitcode == -signal.SIGKILL
+    workers[0].join(timeout=5)
+    if workers[0].is_alive():  # blocked in a collective with the dead rank
+        workers[0].kill()
+        workers[0].join()
+    if os.path.exists(init_file):
+        os.remove(init_file)
+
+    assert ck.partial_path(tmp_path / "last.ckpt").exists()  # the torn save is there, hidden
+    plain = make_model(seed=5)
+    extra = ck.load(tmp_path / "last.ckpt", plain, [torch.optim.AdamW(plain.parameters())])
+    assert extra["step"] == 1  # the previous, complete checkpoint
+
+    from lightning.pytorch import Trainer
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.trainer.states import TrainerFn
+
+    callback = ModelCheckpoint(dirpath=tmp_path, save_last=True)
+    trainer = Trainer(callbacks=[callback], logger=False, enable_progress_bar=False, enable_model_summary=False)
+    chosen = trainer._checkpoint_connector._parse_ckpt_path(TrainerFn.FITTING, "last", True, True)
+    assert Path(chosen) == tmp_path / "last.ckpt"

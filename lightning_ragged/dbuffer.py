@@ -247,7 +247,9 @@ class DBuffer:
         params = list(self.sharded_params.items())
         fresh = all(param.grad is None for _, param in params)
         if self.sharded_grad is None:
-            self.sharded_grad = torch.zeros(self.layout.segment_size, dtype=self.master_dtype, device=self.device)
+            self.sharded_grad = torch.empty(self.layout.segment_size, dtype=self.master_dtype, device=self.device)
+            if not fresh:
+                self.sharded_grad.zero_()
         if fresh:
             torch.mul(own_segment, scale, out=self.sharded_grad)
         else:
@@ -255,12 +257,21 @@ class DBuffer:
                 view = self.sharded_grad[self._sharded_grad_slices[name]]
                 if param.grad is None:
                     view.zero_()
-                elif param.grad is not view and param.grad.data_ptr() != view.data_ptr():
+                elif param.grad.data_ptr() != view.data_ptr():
                     view.copy_(param.grad)
             self.sharded_grad.add_(own_segment, alpha=scale)
         for name, param in params:
             if param.requires_grad:
                 param.grad = self.sharded_grad[self._sharded_grad_slices[name]]
+
+    def release_unused_sharded_grad(self) -> None:
+        """Drop the persistent gradient segment while no parameter points into it.
+
+        After ``optimizer.zero_grad(set_to_none=True)`` nothing uses it until the next
+        reduction re-creates it, so forward and backward run without these P/W bytes.
+        """
+        if self.sharded_grad is not None and all(p.grad is None for p in self.sharded_params.values()):
+            self.sharded_grad = None
 
     def free_unsharded_grad(self) -> None:
         """Detach the parameters' gradients from the buffer and free it."""

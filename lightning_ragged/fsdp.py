@@ -68,9 +68,13 @@ class RaggedFSDPState:
     def pre_forward(self, group: ShardGroup, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if not group.is_root and group not in self.forward_order:
             self.forward_order.append(group)
+        first_use = not group.is_unsharded  # the root group is triggered by every module holding it
         group.use_unsharded()
         if not self._in_backward:
-            self._prefetch(group, step=1)
+            for bucket in group.buckets:
+                bucket.release_unused_sharded_grad()
+            if first_use or not group.is_root:
+                self._prefetch(group, forward=True)
         return self._cast_inputs(args, kwargs)
 
     def post_forward(self, group: ShardGroup, output: Any) -> None:
@@ -86,13 +90,24 @@ class RaggedFSDPState:
         if tensors:
             torch.autograd.graph.register_multi_grad_hook(tensors, lambda _: self.pre_backward(group), mode="any")
 
-    def _prefetch(self, group: ShardGroup, step: int) -> None:
-        """Start the all-gather of the group that runs ``step`` places after ``group``."""
-        if group.is_root or group not in self.forward_order:
+    def _prefetch(self, group: ShardGroup, forward: bool) -> None:
+        """Start the all-gather of the group expected to run after ``group`` (forward or backward).
+
+        The root group runs first in forward and its head first in backward, so it
+        prefetches the first block in forward and the last block in backward.
+        """
+        order = self.forward_order
+        if not order:
             return
-        index = self.forward_order.index(group) + step
-        if 0 <= index < len(self.forward_order):
-            self.forward_order[index].unshard(async_op=True)
+        if group.is_root:
+            target = order[0] if forward else order[-1]
+        elif group in order:
+            index = order.index(group) + (1 if forward else -1)
+            target = order[index] if 0 <= index < len(order) else None
+        else:
+            target = None
+        if target is not None and not target.backward_prepared:
+            target.unshard(async_op=True)
 
     def _cast_inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         policy = self.mp_policy
@@ -114,7 +129,7 @@ class RaggedFSDPState:
         if group.backward_prepared:
             return  # already prepared by an earlier output hook of this backward
         group.prepare_backward()
-        self._prefetch(group, step=-1)
+        self._prefetch(group, forward=False)
 
     def grad_accumulated(self, group: ShardGroup, bucket: DBuffer, name: str, param: torch.Tensor) -> None:
         if group.mark_grad_accumulated(bucket, name, param):

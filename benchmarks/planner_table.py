@@ -1,7 +1,8 @@
 """Plan one transformer block of production models and report plan time, segment size and padding.
 
-One block is one FSDP group. Shapes are hard-coded from the models' public
-``config.json`` files (fields named next to each block). Run from the repository
+One block is one FSDP group. Shapes are those of the plan CLI's presets
+(``lightning_ragged.plan_cli.PRESETS``: the fields of the models' public
+``config.json`` files that the shapes need). Run from the repository
 root: ``python benchmarks/planner_table.py``; it prints the table and rewrites the
 "planner" section of ``benchmarks/RESULTS.md``.
 
@@ -21,6 +22,7 @@ import math
 import os
 import platform
 import sys
+from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -28,9 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from report import write_section  # noqa: E402
 
+from lightning_ragged.plan_cli import PRESETS, Shapes, describe_model  # noqa: E402
 from lightning_ragged.planning import TensorSpec, plan, segment_lower_bound  # noqa: E402
-
-Shapes = list[tuple[str, tuple[int, ...]]]
 
 WORLD_SIZES = (64, 1024, 10_000)
 ROW_MULTIPLES = (1, 16, 128)
@@ -40,93 +41,17 @@ TIME_TARGET_S = 0.3  # per group at 10,000 ranks
 PADDING_TARGET = 0.03  # at 1x and 16x rows
 
 
-def llama3_70b() -> Shapes:
-    """hidden_size 8192, num_attention_heads 64, num_key_value_heads 8 (head_dim 128), intermediate_size 28672."""
-    hidden, kv, inter = 8192, 8 * 128, 28672
-    return [
-        ("input_layernorm", (hidden,)),
-        ("q_proj", (64 * 128, hidden)),
-        ("k_proj", (kv, hidden)),
-        ("v_proj", (kv, hidden)),
-        ("o_proj", (hidden, 64 * 128)),
-        ("post_attention_layernorm", (hidden,)),
-        ("gate_proj", (inter, hidden)),
-        ("up_proj", (inter, hidden)),
-        ("down_proj", (hidden, inter)),
-    ]
-
-
-def _deepseek_v3_dense_part() -> Shapes:
-    """hidden_size 7168; MLA: q_lora_rank 1536, kv_lora_rank 512, qk_nope_head_dim 128, qk_rope_head_dim 64,
-    v_head_dim 128, num_attention_heads 128; n_shared_experts 1 x moe_intermediate_size 2048; router 256 x 7168."""
-    hidden, heads, inter = 7168, 128, 2048
-    return [
-        ("input_layernorm", (hidden,)),
-        ("q_a_proj", (1536, hidden)),
-        ("q_a_layernorm", (1536,)),
-        ("q_b_proj", (heads * (128 + 64), 1536)),
-        ("kv_a_proj_with_mqa", (512 + 64, hidden)),
-        ("kv_a_layernorm", (512,)),
-        ("kv_b_proj", (heads * (128 + 128), 512)),
-        ("o_proj", (hidden, heads * 128)),
-        ("post_attention_layernorm", (hidden,)),
-        ("gate.weight", (256, hidden)),
-        ("shared_experts.gate_proj", (inter, hidden)),
-        ("shared_experts.up_proj", (inter, hidden)),
-        ("shared_experts.down_proj", (hidden, inter)),
-    ]
-
-
-def deepseek_v3_fused() -> Shapes:
-    """The MoE layer with its 256 routed experts (moe_intermediate_size 2048) fused: gate+up and down."""
-    return _deepseek_v3_dense_part() + [
-        ("experts.gate_up_proj", (256, 2 * 2048, 7168)),
-        ("experts.down_proj", (256, 7168, 2048)),
-    ]
-
-
-def deepseek_v3_separate() -> Shapes:
-    """The MoE layer with every routed expert's three matrices as separate tensors (768 of them)."""
-    experts = []
-    for expert in range(256):
-        experts += [
-            (f"experts.{expert}.gate_proj", (2048, 7168)),
-            (f"experts.{expert}.up_proj", (2048, 7168)),
-            (f"experts.{expert}.down_proj", (7168, 2048)),
-        ]
-    return _deepseek_v3_dense_part() + experts
-
-
-def gpt_oss_120b() -> Shapes:
-    """hidden_size 2880, num_attention_heads 64 x head_dim 64, num_key_value_heads 8, attention_bias, sinks;
-    num_local_experts 128 fused (HF layout), intermediate_size 2880, expert biases; router 128 x 2880 + bias."""
-    hidden, q, kv, experts, inter = 2880, 64 * 64, 8 * 64, 128, 2880
-    return [
-        ("input_layernorm", (hidden,)),
-        ("q_proj.weight", (q, hidden)),
-        ("q_proj.bias", (q,)),
-        ("k_proj.weight", (kv, hidden)),
-        ("k_proj.bias", (kv,)),
-        ("v_proj.weight", (kv, hidden)),
-        ("v_proj.bias", (kv,)),
-        ("o_proj.weight", (hidden, q)),
-        ("o_proj.bias", (hidden,)),
-        ("sinks", (64,)),
-        ("post_attention_layernorm", (hidden,)),
-        ("router.weight", (experts, hidden)),
-        ("router.bias", (experts,)),
-        ("experts.gate_up_proj", (experts, hidden, 2 * inter)),
-        ("experts.gate_up_proj_bias", (experts, 2 * inter)),
-        ("experts.down_proj", (experts, inter, hidden)),
-        ("experts.down_proj_bias", (experts, hidden)),
-    ]
+def decoder_block(preset: str, experts: str | None = None) -> Shapes:
+    """One decoder block (one FSDP group) of a ``plan_cli`` preset; the MoE block of a model with dense ones too."""
+    groups = describe_model(PRESETS[preset], preset, experts).groups
+    return [kind for kind in groups if kind.name != "root"][-1].shapes
 
 
 MODELS = {
-    "Llama-3-70B": llama3_70b,
-    "DeepSeek-V3 (experts fused)": deepseek_v3_fused,
-    "DeepSeek-V3 (experts separate)": deepseek_v3_separate,
-    "GPT-OSS-120B (experts fused)": gpt_oss_120b,
+    "Llama-3-70B": partial(decoder_block, "llama3-70b"),
+    "DeepSeek-V3 (experts fused)": partial(decoder_block, "deepseek-v3", "fused"),
+    "DeepSeek-V3 (experts separate)": partial(decoder_block, "deepseek-v3", "separate"),
+    "GPT-OSS-120B (experts fused)": partial(decoder_block, "gpt-oss-120b", "fused"),
 }
 
 

@@ -737,7 +737,13 @@ def _check_data_files(path: Path, metadata: Metadata) -> None:
 
 def check_model_matches(info: CheckpointInfo, expected: Mapping[str, tuple[int, ...]], strict: bool = True) -> None:
     """Raise ``CheckpointMismatchError`` naming missing/unexpected keys and shape mismatches."""
-    saved = info.model_shapes()
+    _check_shapes(info.model_shapes(), expected, strict, info.path)
+
+
+def _check_shapes(
+    saved: Mapping[str, Sequence[int]], expected: Mapping[str, Sequence[int]], strict: bool, source: Any
+) -> None:
+    """Raise ``CheckpointMismatchError`` if ``source``'s shapes (``saved``) are not the model's (``expected``)."""
     missing = sorted(expected.keys() - saved.keys())
     unexpected = sorted(saved.keys() - expected.keys())
     shapes = sorted(
@@ -753,7 +759,7 @@ def check_model_matches(info: CheckpointInfo, expected: Mapping[str, tuple[int, 
     if shapes:
         problems.append(f"shape mismatch: {_short(shapes)}")
     if problems:
-        raise CheckpointMismatchError(f"{info.path} holds a different model: " + "; ".join(problems))
+        raise CheckpointMismatchError(f"{source} holds a different model: " + "; ".join(problems))
 
 
 def _short(items: Sequence[str], limit: int = 8) -> str:
@@ -984,20 +990,7 @@ def load_full_model_state_dict(
     """Check keys and shapes, then copy this rank's pieces of full tensors into the shards (or the plain module)."""
     expected = expected_model_shapes(module)
     saved = {k: tuple(v.shape) for k, v in state_dict.items() if isinstance(v, torch.Tensor)}
-    missing = sorted(expected.keys() - saved.keys())
-    unexpected = sorted(saved.keys() - expected.keys())
-    shapes = sorted(
-        f"{k}: checkpoint {list(saved[k])} vs model {list(expected[k])}" for k in expected.keys() & saved.keys() if saved[k] != expected[k]
-    )
-    problems = []
-    if missing and strict:
-        problems.append(f"missing keys (in the model, not in the checkpoint): {_short(missing)}")
-    if unexpected and strict:
-        problems.append(f"unexpected keys (in the checkpoint, not in the model): {_short(unexpected)}")
-    if shapes:
-        problems.append(f"shape mismatch: {_short(shapes)}")
-    if problems:
-        raise CheckpointMismatchError(f"{source} holds a different model: " + "; ".join(problems))
+    _check_shapes(saved, expected, strict, source)
     sharded = _sharded_params(module)
     with torch.no_grad():
         for key, param in sharded.items():

@@ -140,6 +140,20 @@ class EngineProbe:
     def _collective_name(self, bucket: DBuffer) -> str:
         return "all_reduce" if bucket.reduce_mode == "all_reduce" else "reduce_scatter"
 
+    def _blocking(self, info: BucketInfo, collective: str, counter: str, call: Callable, **kwargs: Any) -> None:
+        """``call(**kwargs)``, its time added to ``counter`` unless nested in another wrapped call; errors named."""
+        outer = self._depth == 0
+        self._depth += 1
+        started = time.perf_counter()
+        try:
+            call(**kwargs)
+        except BaseException as error:  # noqa: BLE001 - re-raised, with a name when we recognise it
+            raise self._fail(error, info, collective) from error
+        finally:
+            self._depth -= 1
+            if outer:
+                setattr(self, counter, getattr(self, counter) + time.perf_counter() - started)
+
     def _wrap_unshard(self, info: BucketInfo, original: Callable) -> Callable:
         bucket = info.bucket
 
@@ -147,17 +161,7 @@ class EngineProbe:
             if bucket.is_unsharded:
                 return original(async_op=async_op)
             self._next_sequence(bucket, "all_gather")
-            outer = self._depth == 0
-            self._depth += 1
-            started = time.perf_counter()
-            try:
-                original(async_op=async_op)
-            except BaseException as error:  # noqa: BLE001 - re-raised, with a name when we recognise it
-                raise self._fail(error, info, "all_gather") from error
-            finally:
-                self._depth -= 1
-                if outer:
-                    self.blocked_all_gather_seconds += time.perf_counter() - started
+            self._blocking(info, "all_gather", "blocked_all_gather_seconds", original, async_op=async_op)
             self.engine_copy_bytes += info.cast_bytes
             self.unsharded_bytes += info.unsharded_bytes
             if self.unsharded_bytes > self.unsharded_peak_bytes:
@@ -171,17 +175,7 @@ class EngineProbe:
         def wait_unshard() -> None:
             if bucket._pending_unshard is None:
                 return original()
-            outer = self._depth == 0
-            self._depth += 1
-            started = time.perf_counter()
-            try:
-                original()
-            except BaseException as error:  # noqa: BLE001
-                raise self._fail(error, info, "all_gather") from error
-            finally:
-                self._depth -= 1
-                if outer:
-                    self.blocked_all_gather_seconds += time.perf_counter() - started
+            self._blocking(info, "all_gather", "blocked_all_gather_seconds", original)
 
         return wait_unshard
 
@@ -202,17 +196,7 @@ class EngineProbe:
         def reduce_grad(async_op: bool = True) -> None:
             collective = self._collective_name(bucket)
             self._next_sequence(bucket, collective)
-            outer = self._depth == 0
-            self._depth += 1
-            started = time.perf_counter()
-            try:
-                original(async_op=async_op)
-            except BaseException as error:  # noqa: BLE001
-                raise self._fail(error, info, collective) from error
-            finally:
-                self._depth -= 1
-                if outer:
-                    self.blocked_reduce_seconds += time.perf_counter() - started
+            self._blocking(info, collective, "blocked_reduce_seconds", original, async_op=async_op)
             self.engine_copy_bytes += info.reduce_cast_bytes
 
         return reduce_grad
@@ -223,17 +207,7 @@ class EngineProbe:
         def finish_reduce() -> None:
             if bucket._pending_reduce is None:
                 return original()
-            outer = self._depth == 0
-            self._depth += 1
-            started = time.perf_counter()
-            try:
-                original()
-            except BaseException as error:  # noqa: BLE001
-                raise self._fail(error, info, self._collective_name(bucket)) from error
-            finally:
-                self._depth -= 1
-                if outer:
-                    self.blocked_reduce_seconds += time.perf_counter() - started
+            self._blocking(info, self._collective_name(bucket), "blocked_reduce_seconds", original)
 
         return finish_reduce
 

@@ -13,26 +13,19 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from tests.models import TinyBlock
+
 VOCAB = 37  # divisible by neither 2 nor 4: ragged shards
 WIDTH = 12
 HIDDEN = 20
 SEQ = 8
 
 
-class Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.norm1 = nn.LayerNorm(WIDTH)
-        self.qkv = nn.Linear(WIDTH, 3 * WIDTH, bias=False)
-        self.proj = nn.Linear(WIDTH, WIDTH)
-        self.norm2 = nn.LayerNorm(WIDTH)
-        self.up = nn.Linear(WIDTH, HIDDEN)
-        self.down = nn.Linear(HIDDEN, WIDTH)
+class Block(TinyBlock):
+    """``tests.models.TinyBlock`` at this file's sizes, with a bias on the attention output projection."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        q, k, v = self.qkv(self.norm1(x)).chunk(3, dim=-1)
-        x = x + self.proj(F.scaled_dot_product_attention(q, k, v, is_causal=True))
-        return x + self.down(F.gelu(self.up(self.norm2(x))))
+    def __init__(self) -> None:
+        super().__init__(WIDTH, HIDDEN, proj_bias=True)
 
 
 class TinyGPT(nn.Module):
@@ -50,6 +43,21 @@ class TinyGPT(nn.Module):
         for block in self.blocks:
             x = block(x)
         return self.head(self.norm(x))
+
+
+def cpu_trainer(strategy, devices: int, max_steps: int, **kwargs) -> L.Trainer:
+    """A quiet CPU Trainer for the tests: no logger, progress bar, model summary or sanity validation."""
+    return L.Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        devices=devices,
+        max_steps=max_steps,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        **kwargs,
+    )
 
 
 class LitTinyGPT(L.LightningModule):

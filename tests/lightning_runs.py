@@ -28,25 +28,14 @@ from lightning.pytorch.callbacks import Callback  # noqa: E402
 
 import lightning_ragged  # noqa: E402,F401  (registers "ragged_fsdp")
 from lightning_ragged import RaggedFSDPStrategy, full_state_dict, get_state  # noqa: E402
-from tests.lightning_models import LitTinyGPT, token_loader  # noqa: E402
+from tests.lightning_models import LitTinyGPT, cpu_trainer, token_loader  # noqa: E402
 
 warnings.filterwarnings("ignore")
 BATCH = 4  # per rank
 
 
 def make_trainer(strategy, devices: int, steps: int, **kwargs) -> L.Trainer:
-    return L.Trainer(
-        strategy=strategy,
-        accelerator="cpu",
-        devices=devices,
-        max_steps=steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        **kwargs,
-    )
+    return cpu_trainer(strategy, devices, steps, enable_checkpointing=False, **kwargs)
 
 
 def fit(strategy, devices: int = 2, steps: int = 6, seed: int = 0, accumulate: int = 1, meta: bool = False,

@@ -13,18 +13,22 @@ SEQ = 6
 
 
 class TinyBlock(nn.Module):
-    """Pre-norm transformer block: single-head causal attention and a 13->7->13 MLP."""
+    """Pre-norm transformer block: single-head causal attention and a 13->7->13 MLP (by default).
 
-    def __init__(self) -> None:
+    Only torch here: ``tests/lightning_models.py`` builds its block from this one, and the model
+    of ``tests/test_checkpoint_lightning.py`` must load where lightning_ragged is never imported.
+    """
+
+    def __init__(self, width: int = WIDTH, hidden: int = HIDDEN, proj_bias: bool = False) -> None:
         super().__init__()
-        self.norm1 = nn.LayerNorm(WIDTH)
+        self.norm1 = nn.LayerNorm(width)
         # No qkv bias: the key bias has an exactly-zero gradient (softmax shift invariance),
         # which Adam would turn rounding noise into visible updates on.
-        self.qkv = nn.Linear(WIDTH, 3 * WIDTH, bias=False)
-        self.proj = nn.Linear(WIDTH, WIDTH, bias=False)
-        self.norm2 = nn.LayerNorm(WIDTH)
-        self.up = nn.Linear(WIDTH, HIDDEN)
-        self.down = nn.Linear(HIDDEN, WIDTH)
+        self.qkv = nn.Linear(width, 3 * width, bias=False)
+        self.proj = nn.Linear(width, width, bias=proj_bias)
+        self.norm2 = nn.LayerNorm(width)
+        self.up = nn.Linear(width, hidden)
+        self.down = nn.Linear(hidden, width)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         q, k, v = self.qkv(self.norm1(x)).chunk(3, dim=-1)

@@ -36,7 +36,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
-from tests.lightning_models import SEQ, VOCAB, TinyGPT  # noqa: E402
+from tests.lightning_models import SEQ, VOCAB, TinyGPT, cpu_trainer  # noqa: E402
 
 GLOBAL_BATCH = 12  # 6 per rank at 2 ranks, 4 at 3
 STEPS_PER_EPOCH = 1  # Lightning resumes an end-of-epoch checkpoint exactly only when the epoch is one step (DDP too)
@@ -78,17 +78,12 @@ def loader(world: int) -> DataLoader:
 
 # ------------------------------------------------------------------ the Trainer runs
 def _trainer(strategy, devices: int, max_steps: int, root: Path, callbacks=(), **kwargs) -> L.Trainer:
-    return L.Trainer(
-        strategy=strategy,
-        accelerator="cpu",
-        devices=devices,
-        max_steps=max_steps,
-        logger=False,
+    return cpu_trainer(
+        strategy,
+        devices,
+        max_steps,
         enable_checkpointing=bool(callbacks),
         callbacks=list(callbacks),
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
         default_root_dir=str(root),
         **kwargs,
     )

@@ -245,6 +245,90 @@ def _planner_table():
     return planner_table
 
 
+# Known answers: one decoder block of each preset, written out by hand from the models' public
+# config.json files (the plan CLI derives them from its PRESETS; the planner benchmark plans the CLI's).
+def llama3_70b() -> list:
+    """hidden_size 8192, num_attention_heads 64, num_key_value_heads 8 (head_dim 128), intermediate_size 28672."""
+    hidden, kv, inter = 8192, 8 * 128, 28672
+    return [
+        ("input_layernorm", (hidden,)),
+        ("q_proj", (64 * 128, hidden)),
+        ("k_proj", (kv, hidden)),
+        ("v_proj", (kv, hidden)),
+        ("o_proj", (hidden, 64 * 128)),
+        ("post_attention_layernorm", (hidden,)),
+        ("gate_proj", (inter, hidden)),
+        ("up_proj", (inter, hidden)),
+        ("down_proj", (hidden, inter)),
+    ]
+
+
+def _deepseek_v3_dense_part() -> list:
+    """hidden_size 7168; MLA: q_lora_rank 1536, kv_lora_rank 512, qk_nope_head_dim 128, qk_rope_head_dim 64,
+    v_head_dim 128, num_attention_heads 128; n_shared_experts 1 x moe_intermediate_size 2048; router 256 x 7168."""
+    hidden, heads, inter = 7168, 128, 2048
+    return [
+        ("input_layernorm", (hidden,)),
+        ("q_a_proj", (1536, hidden)),
+        ("q_a_layernorm", (1536,)),
+        ("q_b_proj", (heads * (128 + 64), 1536)),
+        ("kv_a_proj_with_mqa", (512 + 64, hidden)),
+        ("kv_a_layernorm", (512,)),
+        ("kv_b_proj", (heads * (128 + 128), 512)),
+        ("o_proj", (hidden, heads * 128)),
+        ("post_attention_layernorm", (hidden,)),
+        ("gate.weight", (256, hidden)),
+        ("shared_experts.gate_proj", (inter, hidden)),
+        ("shared_experts.up_proj", (inter, hidden)),
+        ("shared_experts.down_proj", (hidden, inter)),
+    ]
+
+
+def deepseek_v3_fused() -> list:
+    """The MoE layer with its 256 routed experts (moe_intermediate_size 2048) fused: gate+up and down."""
+    return _deepseek_v3_dense_part() + [
+        ("experts.gate_up_proj", (256, 2 * 2048, 7168)),
+        ("experts.down_proj", (256, 7168, 2048)),
+    ]
+
+
+def deepseek_v3_separate() -> list:
+    """The MoE layer with every routed expert's three matrices as separate tensors (768 of them)."""
+    experts = []
+    for expert in range(256):
+        experts += [
+            (f"experts.{expert}.gate_proj", (2048, 7168)),
+            (f"experts.{expert}.up_proj", (2048, 7168)),
+            (f"experts.{expert}.down_proj", (7168, 2048)),
+        ]
+    return _deepseek_v3_dense_part() + experts
+
+
+def gpt_oss_120b() -> list:
+    """hidden_size 2880, num_attention_heads 64 x head_dim 64, num_key_value_heads 8, attention_bias, sinks;
+    num_local_experts 128 fused (HF layout), intermediate_size 2880, expert biases; router 128 x 2880 + bias."""
+    hidden, q, kv, experts, inter = 2880, 64 * 64, 8 * 64, 128, 2880
+    return [
+        ("input_layernorm", (hidden,)),
+        ("q_proj.weight", (q, hidden)),
+        ("q_proj.bias", (q,)),
+        ("k_proj.weight", (kv, hidden)),
+        ("k_proj.bias", (kv,)),
+        ("v_proj.weight", (kv, hidden)),
+        ("v_proj.bias", (kv,)),
+        ("o_proj.weight", (hidden, q)),
+        ("o_proj.bias", (hidden,)),
+        ("sinks", (64,)),
+        ("post_attention_layernorm", (hidden,)),
+        ("router.weight", (experts, hidden)),
+        ("router.bias", (experts,)),
+        ("experts.gate_up_proj", (experts, hidden, 2 * inter)),
+        ("experts.gate_up_proj_bias", (experts, 2 * inter)),
+        ("experts.down_proj", (experts, inter, hidden)),
+        ("experts.down_proj_bias", (experts, hidden)),
+    ]
+
+
 def test_plan_cli_preset_matches_plan_called_directly():
     from lightning_ragged.granularity import resolve_granularity
     from lightning_ragged.plan_cli import describe_model, PRESETS
@@ -257,9 +341,10 @@ def test_plan_cli_preset_matches_plan_called_directly():
     report = json.loads(done.stdout)
     block = next(g for g in report["groups"] if g["group"] == "layers")
     assert block["count"] == 80
-    # The same block, built independently from the planner benchmark's shapes, planned directly.
-    shapes = _planner_table().llama3_70b()
+    # The same block, written out independently (known answer above), planned directly.
+    shapes = llama3_70b()
     assert describe_model(PRESETS["llama3-70b"]).groups[0].shapes == shapes
+    assert _planner_table().MODELS["Llama-3-70B"]() == shapes
     specs = [
         lr.TensorSpec(name, math.prod(shape), resolve_granularity("row", name, torch.empty(shape, device="meta")))
         for name, shape in shapes
@@ -277,10 +362,13 @@ def test_plan_cli_preset_matches_plan_called_directly():
 def test_plan_cli_table_replicate_degree_and_shapes_of_other_presets(capsys):
     from lightning_ragged.plan_cli import PRESETS, describe_model, main
 
-    table = _planner_table()
-    assert describe_model(PRESETS["gpt-oss-120b"]).groups[0].shapes == table.gpt_oss_120b()
-    assert describe_model(PRESETS["deepseek-v3"], experts="separate").groups[1].shapes == table.deepseek_v3_separate()
-    assert describe_model(PRESETS["deepseek-v3"], experts="fused").groups[1].shapes == table.deepseek_v3_fused()
+    models = _planner_table().MODELS
+    assert describe_model(PRESETS["gpt-oss-120b"]).groups[0].shapes == gpt_oss_120b()
+    assert describe_model(PRESETS["deepseek-v3"], experts="separate").groups[1].shapes == deepseek_v3_separate()
+    assert describe_model(PRESETS["deepseek-v3"], experts="fused").groups[1].shapes == deepseek_v3_fused()
+    assert models["GPT-OSS-120B (experts fused)"]() == gpt_oss_120b()
+    assert models["DeepSeek-V3 (experts separate)"]() == deepseek_v3_separate()
+    assert models["DeepSeek-V3 (experts fused)"]() == deepseek_v3_fused()
     assert main(["--config", "gpt-oss-120b", "--world-size", "64", "--replicate-degree", "4"]) == 0
     out = capsys.readouterr().out
     assert "sharded over 16 ranks" in out and "| segment S |" in out and "block cuts avoided" in out

@@ -23,6 +23,15 @@ def _optimizers(named_params, muon_cls):
     return muon, adamw, [name for name, _ in muon_named]
 
 
+def _sharded_and_reference(granularity):
+    """A sharded model and its unsharded twin, each with (Muon, AdamW, Muon names), and both named-parameter dicts."""
+    model = fully_shard(make_model(), shard_granularity=granularity)
+    reference = make_model()
+    ours = _optimizers(model.named_parameters(), Muon)
+    theirs = _optimizers(reference.named_parameters(), torch.optim.Muon)
+    return model, reference, ours, theirs, dict(model.named_parameters()), dict(reference.named_parameters())
+
+
 def _full_grad(param):
     """The full gradient of a sharded parameter on every rank (pieces are disjoint: the sum is exact)."""
     shard = param.ragged_shard
@@ -49,13 +58,11 @@ def train_against_torch_muon(granularities=GRANULARITIES, steps=STEPS, adjust_lr
     initial = make_model().state_dict()
     results = {}
     for granularity in granularities:
-        model = fully_shard(make_model(), shard_granularity=granularity)
-        reference = make_model()
-        muon, adamw, muon_names = _optimizers(model.named_parameters(), Muon)
-        ref_muon, ref_adamw, _ = _optimizers(reference.named_parameters(), torch.optim.Muon)
+        model, reference, (muon, adamw, muon_names), (ref_muon, ref_adamw, _), sharded, full_params = (
+            _sharded_and_reference(granularity)
+        )
         for opt in (muon, ref_muon):
             opt.param_groups[0]["adjust_lr_fn"] = adjust_lr_fn
-        sharded, full_params = dict(model.named_parameters()), dict(reference.named_parameters())
         counts, grad_diff = [], 0.0
         for step in range(steps):
             lm_loss(model, batches[step].chunk(world)[rank]).backward()
@@ -95,11 +102,7 @@ def same_gradients_against_torch_muon(granularities=GRANULARITIES, steps=STEPS):
     """Identical full gradients on both sides: the optimizer alone, so the match is bit-for-bit."""
     results = {}
     for granularity in granularities:
-        model = fully_shard(make_model(), shard_granularity=granularity)
-        reference = make_model()
-        muon, _, names = _optimizers(model.named_parameters(), Muon)
-        ref_muon, _, _ = _optimizers(reference.named_parameters(), torch.optim.Muon)
-        sharded, full_params = dict(model.named_parameters()), dict(reference.named_parameters())
+        model, _, (muon, _, names), (ref_muon, _, _), sharded, full_params = _sharded_and_reference(granularity)
         generator = torch.Generator().manual_seed(3)
         for _ in range(steps):
             for name in names:

@@ -242,26 +242,22 @@ def miss_statistics(samples, seed):
     return misses, greedy_misses, max(excess)
 
 
-def test_optimal_matches_brute_force_on_small_groups():
+def _check_against_brute_force(label: str, max_miss_rate: float) -> None:
+    """``miss_statistics`` on the fixed sample, printed under ``label`` and held to the targets."""
     misses, greedy_misses, worst = miss_statistics(SAMPLES, seed=2)
-    print(
-        f"\noptimal vs exact on {SAMPLES} groups of <= 6 tensors: {misses} misses, worst excess {worst:.1%}; "
-        f"greedy misses {greedy_misses}"
-    )
-    assert misses <= MAX_MISS_RATE * SAMPLES
+    print(f"\n{label}: {misses} misses, worst excess {worst:.1%}; greedy misses {greedy_misses}")
+    assert misses <= max_miss_rate * SAMPLES
     assert worst <= MAX_EXCESS
+
+
+def test_optimal_matches_brute_force_on_small_groups():
+    _check_against_brute_force(f"optimal vs exact on {SAMPLES} groups of <= 6 tensors", MAX_MISS_RATE)
 
 
 def test_heuristic_orders_alone_are_near_optimal(monkeypatch):
     """The path large groups take (no exhaustive search) still finds the optimum on most small groups."""
     monkeypatch.setattr(planning, "_EXHAUSTIVE_STATES", 0)
-    misses, greedy_misses, worst = miss_statistics(SAMPLES, seed=2)
-    print(
-        f"\norders-only heuristic vs exact on {SAMPLES} groups: {misses} misses, worst excess {worst:.1%}; "
-        f"greedy misses {greedy_misses}"
-    )
-    assert misses <= MAX_HEURISTIC_MISS_RATE * SAMPLES
-    assert worst <= MAX_EXCESS
+    _check_against_brute_force(f"orders-only heuristic vs exact on {SAMPLES} groups", MAX_HEURISTIC_MISS_RATE)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -65,7 +65,7 @@ class AdamW8bit(RaggedOptimizer):
                 )
 
     def state_layout(self, param: torch.Tensor) -> dict[str, str]:
-        block = f"blocks:{self._block_size(param)}"
+        block = f"blocks:{self.group_of(param)['block_size']}"
         return {
             "step": "scalar",
             "exp_avg_codes": "flat",
@@ -74,18 +74,9 @@ class AdamW8bit(RaggedOptimizer):
             "exp_avg_sq_scales": block,
         }
 
-    def _block_size(self, param: torch.Tensor) -> int:
-        for group in self.param_groups:
-            if any(p is param for p in group["params"]):
-                return group["block_size"]
-        raise KeyError("parameter not in this optimizer")
-
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = self.evaluate_closure(closure)
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
             block = group["block_size"]

@@ -164,10 +164,7 @@ class Muon(RaggedOptimizer):
     # -------------------------------------------------------------------- step
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = self.evaluate_closure(closure)
         self._muon_step(self.param_groups)
         return loss
 

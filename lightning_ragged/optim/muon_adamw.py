@@ -66,10 +66,7 @@ class MuonWithAuxAdamW(Muon):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = self.evaluate_closure(closure)
         self._muon_step([g for g in self.param_groups if g["use_muon"]])
         for group in self.param_groups:
             if not group["use_muon"]:

@@ -16,7 +16,7 @@ loads at another world size.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -50,6 +50,21 @@ class RaggedOptimizer(torch.optim.Optimizer):
 
     def shard(self, param: torch.Tensor) -> RaggedShard:
         return shard_of(param, self._param_names.get(id(param)))
+
+    def group_of(self, param: torch.Tensor) -> dict[str, Any]:
+        """The param group that holds ``param``."""
+        for group in self.param_groups:
+            if any(p is param for p in group["params"]):
+                return group
+        raise KeyError("parameter not in this optimizer")
+
+    @staticmethod
+    def evaluate_closure(closure: Callable[[], Any] | None) -> Any:
+        """The loss of ``step``'s optional closure, evaluated with gradients enabled (None without one)."""
+        if closure is None:
+            return None
+        with torch.enable_grad():
+            return closure()
 
     def state_layout(self, param: torch.Tensor) -> dict[str, str]:
         """Layout of each state entry of ``param`` ("flat", "blocks:B", "tiles", "scalar"); subclasses extend."""

@@ -121,22 +121,13 @@ class Shampoo(RaggedOptimizer):
         return out
 
     def localize_tiles(self, param: torch.Tensor, tiles: dict[str, Any]) -> dict[str, Any]:
-        dim = self._group_of(param)["max_preconditioner_dim"]
+        dim = self.group_of(param)["max_preconditioner_dim"]
         mine = {tile_id for tile_id, _, _ in self.tiles(param, dim)}
         return {tile_id: {k: v.clone() for k, v in entries.items()} for tile_id, entries in tiles.items() if tile_id in mine}
 
-    def _group_of(self, param: torch.Tensor) -> dict[str, Any]:
-        for group in self.param_groups:
-            if any(p is param for p in group["params"]):
-                return group
-        raise KeyError("parameter not in this optimizer")
-
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = self.evaluate_closure(closure)
         for group in self.param_groups:
             for param in group["params"]:
                 if param.grad is not None:

@@ -261,10 +261,7 @@ def _state_layout(optimizer: torch.optim.Optimizer, param: torch.Tensor, key: st
 
 
 def _block_range(shard: RaggedShard, block: int) -> tuple[int, int, int]:
-    start, end = shard.local_range
-    if start == end:
-        return 0, 0, math.ceil(shard.numel / block)
-    return start // block, math.ceil(end / block), math.ceil(shard.numel / block)
+    return (*shard.local_blocks(block), math.ceil(shard.numel / block))
 
 
 def _shard_state_entry(value: Any, layout: str, shard: RaggedShard, sharded: bool) -> Any:

@@ -50,6 +50,14 @@ class RaggedShard:
         start, end = self.local_range
         return end - start
 
+    def local_blocks(self, block_numel: int) -> tuple[int, int]:
+        """[first, last) indices of the ``block_numel``-element blocks (counted from the
+        parameter's start) that this rank's range touches; (0, 0) when it holds nothing."""
+        start, end = self.local_range
+        if start == end:
+            return 0, 0
+        return start // block_numel, math.ceil(end / block_numel)
+
     def owner(self) -> int | None:
         """The rank that holds the whole parameter, or None when it is split."""
         for rank, (start, end) in enumerate(self.rank_ranges):

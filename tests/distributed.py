@@ -66,7 +66,13 @@ class DistributedPool:
                 outcomes[rank] = (ok, value)
         except queue.Empty:
             self.close()
-            raise TimeoutError(f"{fn.__name__} did not finish on all ranks within {TASK_TIMEOUT_S}s") from None
+            reported = "".join(
+                f"\n--- rank {rank} {'returned' if ok else 'failed'} ---\n{value if not ok else ''}"
+                for rank, (ok, value) in sorted(outcomes.items())
+            )
+            raise TimeoutError(
+                f"{fn.__name__} did not finish on all ranks within {TASK_TIMEOUT_S}s{reported}"
+            ) from None
         failures = [f"--- rank {rank} ---\n{value}" for rank, (ok, value) in sorted(outcomes.items()) if not ok]
         if failures:
             self.close()

@@ -68,7 +68,26 @@ def _muon_and_adamw(model):
     return [Muon([p for _, p in muon], lr=2e-2), torch.optim.AdamW([p for _, p in other], lr=1e-2)]
 
 
-OPTIMIZERS = {"adamw": _adamw, "muon": _muon_and_adamw}
+def _shampoo(model):
+    from lightning_ragged.optim import Shampoo
+
+    return [Shampoo(model.parameters(), lr=1e-2, max_preconditioner_dim=8, precondition_frequency=2,
+                    start_preconditioning_step=2)]
+
+
+def _adamw8bit(model):
+    from lightning_ragged.optim import AdamW8bit
+
+    return [AdamW8bit(model.parameters(), lr=1e-2, block_size=16)]
+
+
+OPTIMIZERS = {"adamw": _adamw, "muon": _muon_and_adamw, "shampoo": _shampoo, "adamw8bit": _adamw8bit}
+SHARDING_FOR = {
+    "adamw": dict(shard_granularity="row"),
+    "muon": dict(shard_granularity="row"),
+    "shampoo": dict(shard_granularity="block", block_rows=8),  # every 8-row tile on one rank
+    "adamw8bit": dict(shard_granularity=lambda name, param: 16),  # cuts only between 16-element blocks
+}
 
 
 def _local_state(model, optimizers) -> dict[str, torch.Tensor]:
@@ -76,30 +95,37 @@ def _local_state(model, optimizers) -> dict[str, torch.Tensor]:
     for i, optimizer in enumerate(optimizers):
         params = [p for group in optimizer.param_groups for p in group["params"]]
         for j, param in enumerate(params):
-            for key, value in optimizer.state.get(param, {}).items():
-                if isinstance(value, torch.Tensor):
-                    out[f"opt{i}.{j}.{key}"] = value.detach().clone()
+            _flatten_state(f"opt{i}.{j}", optimizer.state.get(param, {}), out)
     return out
+
+
+def _flatten_state(prefix: str, state: dict, out: dict[str, torch.Tensor]) -> None:
+    """Every tensor of an optimizer state, nested dicts (Shampoo's tiles) included."""
+    for key, value in state.items():
+        if isinstance(value, torch.Tensor):
+            out[f"{prefix}.{key}"] = value.detach().clone()
+        elif isinstance(value, dict):
+            _flatten_state(f"{prefix}.{key}", value, out)
 
 
 # --------------------------------------------------------------------- exact resume
 def check_resume_is_bit_identical(root: str, optimizer_kind: str) -> dict:
-    make_optimizers = OPTIMIZERS[optimizer_kind]
+    make_optimizers, sharding = OPTIMIZERS[optimizer_kind], SHARDING_FOR[optimizer_kind]
     data = make_batches(6, BATCH)
-    model = lr.fully_shard(make_model(), shard_granularity="row")
+    model = lr.fully_shard(make_model(), **sharding)
     optimizers = make_optimizers(model)
     for step in range(6):
         _step(model, optimizers, data[step])
     uninterrupted = _local_state(model, optimizers)
 
-    first = lr.fully_shard(make_model(), shard_granularity="row")
+    first = lr.fully_shard(make_model(), **sharding)
     first_opts = make_optimizers(first)
     for step in range(3):
         _step(first, first_opts, data[step])
     ck.save(f"{root}/{optimizer_kind}", first, first_opts, {"step": 3})
     del first, first_opts
 
-    resumed = lr.fully_shard(make_model(seed=7), shard_granularity="row")  # other init: the load must overwrite
+    resumed = lr.fully_shard(make_model(seed=7), **sharding)  # other init: the load must overwrite
     resumed_opts = make_optimizers(resumed)
     extra = ck.load(f"{root}/{optimizer_kind}", resumed, resumed_opts)
     for step in range(extra["step"], 6):
@@ -109,7 +135,7 @@ def check_resume_is_bit_identical(root: str, optimizer_kind: str) -> dict:
     return {key: torch.equal(got[key], uninterrupted[key]) for key in got}
 
 
-@pytest.mark.parametrize("optimizer_kind", ["adamw", "muon"])
+@pytest.mark.parametrize("optimizer_kind", list(OPTIMIZERS))
 def test_resume_same_world_size_is_bit_identical(dist_pool, tmp_path, optimizer_kind: str) -> None:
     for result in dist_pool(2).run(check_resume_is_bit_identical, str(tmp_path), optimizer_kind):
         assert all(result.values()), [k for k, same in result.items() if not same]

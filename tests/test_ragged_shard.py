@@ -68,3 +68,10 @@ def test_granularity_policy():
         resolve_granularity("cols", "m", matrix)
     with pytest.raises(ValueError, match=r"returned 0 for parameter 'm'"):
         resolve_granularity(lambda name, p: 0, "m", matrix)
+
+
+def test_local_blocks_of_empty_and_partial_ranges():
+    empty = _shard([(0, 24), (24, 24)], rank=1)  # rank 1 holds nothing, its range sits mid-block
+    assert empty.local_blocks(16) == (0, 0)
+    partial = _shard([(0, 8), (8, 24)], rank=1)
+    assert partial.local_blocks(16) == (0, 2)  # touches the end of block 0 and all of block 1

@@ -140,7 +140,7 @@ class RaggedOptimizer(torch.optim.Optimizer):
             raise ValueError(f"state {key!r} of {shard.name!r} has {value.numel()} values; expected {end - start} or {shard.numel}")
         if layout.startswith("blocks:"):
             block = int(layout.split(":", 1)[1])
-            first, last = start // block, math.ceil(end / block)
+            first, last = shard.local_blocks(block)
             if value.numel() == last - first:
                 return value.clone()
             if value.numel() == math.ceil(shard.numel / block):

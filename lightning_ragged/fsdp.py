@@ -54,7 +54,7 @@ class RaggedFSDPState:
         self.requires_gradient_sync = True
         self.forward_order: list[ShardGroup] = []
         self._in_backward = False
-        self._in_flight: list[ShardGroup] = []
+        self._in_flight: list[DBuffer] = []
 
     @property
     def all_groups(self) -> list[ShardGroup]:
@@ -133,26 +133,26 @@ class RaggedFSDPState:
 
     def grad_accumulated(self, group: ShardGroup, bucket: DBuffer, name: str, param: torch.Tensor) -> None:
         if group.mark_grad_accumulated(bucket, name, param):
-            self._group_grads_done(group)
+            if self.requires_gradient_sync:
+                self._reduce(bucket)
+            group.reshard(only=bucket)
 
-    def _group_grads_done(self, group: ShardGroup) -> None:
-        if self.requires_gradient_sync:
-            self._finish_in_flight()
-            group.reduce_grad(async_op=True)
-            self._in_flight.append(group)
-        group.reshard()
+    def _reduce(self, bucket: DBuffer) -> None:
+        """Issue one DBuffer's asynchronous reduction, finishing the previous ones first (at most one in flight)."""
+        self._finish_in_flight()
+        bucket.reduce_grad(async_op=True)
+        self._in_flight.append(bucket)
 
     def _finish_in_flight(self) -> None:
-        for group in self._in_flight:
-            group.finish_reduce()
+        for bucket in self._in_flight:
+            bucket.finish_reduce()
         self._in_flight.clear()
 
     def _end_of_backward(self) -> None:
-        for group in self.all_groups:
-            if self.requires_gradient_sync and group.has_unsharded_grad and not group.reduce_pending:
-                self._finish_in_flight()
-                group.reduce_grad(async_op=True)
-                self._in_flight.append(group)
+        if self.requires_gradient_sync:  # buffers with unused parameters never reported ready
+            for bucket in self.buckets():
+                if bucket.has_unsharded_grad and not bucket.reduce_pending:
+                    self._reduce(bucket)
         self._finish_in_flight()
         for group in self.all_groups:
             group.end_backward()
@@ -208,7 +208,7 @@ def fully_shard(
     shard_groups = []
     for group_plan in group_plans:
         buckets, slots = [], []
-        for bucket_params in split_into_buckets(group_plan.params, dbuffer_size):
+        for bucket_params in (b for run in group_plan.runs for b in split_into_buckets(run, dbuffer_size)):
             specs = [
                 TensorSpec(name, param.numel(), resolve_granularity(shard_granularity, name, param, block_rows))
                 for name, param in bucket_params

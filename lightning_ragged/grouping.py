@@ -21,11 +21,27 @@ GroupSpec = Union[Type[nn.Module], nn.Module]
 
 @dataclass
 class ParamGroupPlan:
-    """The parameters of one group: ``module`` runs them (None for the root group)."""
+    """The parameters of one group: ``module`` runs them (None for the root group).
+
+    ``runs`` splits ``params`` where parameters of other groups come between them in
+    module order (the root's embeddings before the blocks, its head after them), so each
+    run gets its own DBuffer and is reduced as soon as its own gradients are done.
+    """
 
     name: str
     module: nn.Module | None
     params: list[tuple[str, nn.Parameter]] = field(default_factory=list)
+    runs: list[list[tuple[str, nn.Parameter]]] = field(default_factory=list)
+
+    def add(self, index: int, name: str, param: nn.Parameter) -> None:
+        """Append the parameter that is ``index``-th in module order."""
+        if not self.runs or self._last_index != index - 1:
+            self.runs.append([])
+        self.runs[-1].append((name, param))
+        self.params.append((name, param))
+        self._last_index = index
+
+    _last_index: int = field(default=-2, init=False, repr=False)
 
 
 def choose_group_modules(
@@ -82,14 +98,14 @@ def plan_groups(
             if param is not None:
                 owners_by_param.setdefault(id(param), []).append(module_name)
     group_prefixes = [(plan.name, plan) for plan in groups[:-1]]
-    for param_name, param in root.named_parameters():
+    for index, (param_name, param) in enumerate(root.named_parameters()):
         owners = owners_by_param[id(param)]
         target = groups[-1]
         for prefix, plan in group_prefixes:
             if all(owner == prefix or owner.startswith(prefix + ".") for owner in owners):
                 if target is groups[-1] or len(prefix) > len(target.name):
                     target = plan
-        target.params.append((param_name, param))
+        target.add(index, param_name, param)
     return [plan for plan in groups if plan.params or plan.module is None]
 
 

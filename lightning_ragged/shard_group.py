@@ -32,8 +32,7 @@ class ShardGroup:
         self.buckets = buckets
         self.slots = slots
         self.reshard_after_forward = reshard_after_forward and module is not None
-        self._awaiting_grads: set[int] = set()
-        self.grads_ready = False
+        self._awaiting_grads: dict[DBuffer, set[int]] = {}
         self.backward_prepared = False
 
     @property
@@ -64,15 +63,16 @@ class ShardGroup:
         self.wait_unshard()
         self._swap(lambda bucket, name: bucket.unsharded_params[name])
 
-    def reshard(self) -> None:
-        """Free the full parameters and point the modules back at the local shards."""
-        for bucket in self.buckets:
+    def reshard(self, only: DBuffer | None = None) -> None:
+        """Free the full parameters (of every bucket, or ``only`` one) and point the modules back at the shards."""
+        for bucket in self.buckets if only is None else [only]:
             bucket.reshard()
-        self._swap(lambda bucket, name: bucket.sharded_params[name])
+        self._swap(lambda bucket, name: bucket.sharded_params[name], only)
 
-    def _swap(self, pick: Callable[[DBuffer, str], nn.Parameter]) -> None:
+    def _swap(self, pick: Callable[[DBuffer, str], nn.Parameter], only: DBuffer | None = None) -> None:
         for module, attr, bucket, name in self.slots:
-            module._parameters[attr] = pick(bucket, name)
+            if only is None or bucket is only:
+                module._parameters[attr] = pick(bucket, name)
 
     # ------------------------------------------------------------- gradients
     def prepare_backward(self) -> None:
@@ -80,40 +80,27 @@ class ShardGroup:
         self.use_unsharded()
         for bucket in self.buckets:
             bucket.prepare_unsharded_grad()
-        self._awaiting_grads = {id(param) for _, _, param in self.unsharded_params() if param.requires_grad}
-        self.grads_ready = not self._awaiting_grads
+        self._awaiting_grads = {
+            bucket: {id(p) for p in bucket.unsharded_params.values() if p.requires_grad} for bucket in self.buckets
+        }
         self.backward_prepared = True
 
     def end_backward(self) -> None:
         """Free the full parameters and forget this backward's bookkeeping."""
         self.reshard()
-        self._awaiting_grads = set()
-        self.grads_ready = False
+        self._awaiting_grads = {}
         self.backward_prepared = False
 
     def mark_grad_accumulated(self, bucket: DBuffer, name: str, param: torch.Tensor) -> bool:
-        """Record one parameter's finished gradient; True when the group's last one arrives."""
+        """Record one parameter's finished gradient; True when the last one of its DBuffer arrives.
+
+        Readiness is per DBuffer, so a group split into several buffers (e.g. the root's
+        head and its embeddings) reduces each as soon as that buffer's gradients are done.
+        """
         if not bucket.owns_unsharded_grad(name):
             bucket.adopt_unsharded_grad(name)
-        self._awaiting_grads.discard(id(param))
-        if not self._awaiting_grads and not self.grads_ready:
-            self.grads_ready = True
-            return True
-        return False
-
-    @property
-    def has_unsharded_grad(self) -> bool:
-        return any(bucket.has_unsharded_grad for bucket in self.buckets)
-
-    def reduce_grad(self, async_op: bool = True) -> None:
-        for bucket in self.buckets:
-            if bucket.has_unsharded_grad:
-                bucket.reduce_grad(async_op=async_op)
-
-    def finish_reduce(self) -> None:
-        for bucket in self.buckets:
-            bucket.finish_reduce()
-
-    @property
-    def reduce_pending(self) -> bool:
-        return any(bucket.reduce_pending for bucket in self.buckets)
+        awaiting = self._awaiting_grads.get(bucket)
+        if not awaiting or id(param) not in awaiting:
+            return False
+        awaiting.discard(id(param))
+        return not awaiting

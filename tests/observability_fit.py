@@ -111,14 +111,15 @@ def main() -> None:
     state = lr.get_state(trainer.strategy.model)
     buffers = [
         dict(
-            group=group.name,
+            # metrics label a group's DBuffers "name#i" when it has several (the root has two)
+            group=group.name if len(group.buckets) == 1 else f"{group.name}#{index}",
             root=group.is_root,
             bytes=bucket.layout.buffer_numel * bucket.unsharded.element_size(),
             segment_size=bucket.layout.segment_size,
             padding_ratio=bucket.layout.padding_ratio,
         )
         for group in state.all_groups
-        for bucket in group.buckets
+        for index, bucket in enumerate(group.buckets)
     ]
     records = [(step, {k: v for k, v in m.items() if k.startswith("ragged_fsdp/")}) for step, m in logger.records]
     Path(out).write_text(json.dumps(dict(seen=probe.seen, after_fit=after, buffers=buffers, records=records)))

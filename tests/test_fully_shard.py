@@ -203,14 +203,20 @@ def check_collectives_per_step() -> dict:
     """One all-gather per group for forward, one per resharded group for backward, one reduction per group."""
     model = lr.fully_shard(make_model(), shard_granularity="row")
     state = lr.get_state(model)
+    reduced = []
+    for bucket in state.buckets():
+        original = bucket.reduce_grad
+        bucket.reduce_grad = lambda *a, b=bucket, f=original, **k: (reduced.append(b.names), f(*a, **k))[1]
     lm_loss(model, _local(make_batches(1, BATCH)[0])).backward()
     stats = state.stats
     buffers = list(state.buckets())
     return {
         "all_gathers": stats.all_gathers,
         "reduces": stats.reduces,
-        "groups": len(state.groups),
+        "block_buffers": sum(len(group.buckets) for group in state.groups),
+        "root_buffers": len(state.root_group.buckets),
         "buffers": len(buffers),
+        "reduced": reduced,
         "all_gather_bytes": stats.all_gather_bytes,
         "buffer_bytes": sum(b.unsharded.numel() * b.unsharded.element_size() for b in buffers),
     }
@@ -218,8 +224,18 @@ def check_collectives_per_step() -> dict:
 
 def test_collectives_per_step(dist_pool):
     result = dist_pool(2).run(check_collectives_per_step)[0]
-    # each block group twice (forward + backward), root once (kept for backward)
-    assert result["all_gathers"] == 2 * result["groups"] + 1
+    # each block buffer twice (forward + backward), the root's once (kept for backward);
+    # the root is split where blocks come between its parameters: embeddings | final norm
+    assert result["root_buffers"] == 2
+    assert result["all_gathers"] == 2 * result["block_buffers"] + result["root_buffers"]
+    # each buffer is reduced as soon as its own gradients are done: the final norm first,
+    # then the blocks in reverse, the embeddings last
+    assert [sorted(names) for names in result["reduced"]] == [
+        ["norm.bias", "norm.weight"],
+        sorted(n for n, _ in make_model().blocks[1].named_parameters(prefix="blocks.1")),
+        sorted(n for n, _ in make_model().blocks[0].named_parameters(prefix="blocks.0")),
+        ["embed.weight", "pos"],
+    ], result["reduced"]
     assert result["reduces"] == result["buffers"]
     non_root_bytes = result["all_gather_bytes"] - result["buffer_bytes"]
     assert non_root_bytes > 0

@@ -170,7 +170,7 @@ def _meta_init_against_eager() -> dict[str, float]:
     report = materialize_meta_module(sharded, "cpu", seed=11)
     full = full_state_dict(sharded)
     state = sharded._ragged_fsdp_state
-    root_bytes = state.root_group.buckets[0].sharded.numel() * 2 * 4
+    root_bytes = sum(bucket.sharded.numel() for bucket in state.root_group.buckets) * 2 * 4
     block_bytes = max(g.buckets[0].sharded.numel() for g in state.groups) * 2 * 4
     return {
         "diff": max((full[k] - eager[k]).abs().max().item() for k in eager),

@@ -115,7 +115,6 @@ class DBuffer:
         )
 
         pieces = {name: (start, end, offset) for name, start, end, offset in layout.local_pieces(self.rank)}
-        self.names = [name for name, _ in params]
         self.sharded_params: dict[str, nn.Parameter] = {}
         self.unsharded_params: dict[str, nn.Parameter] = {}
         self._unsharded_grad_views: dict[str, torch.Tensor] = {}

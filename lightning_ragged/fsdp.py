@@ -28,7 +28,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from lightning_ragged.dbuffer import CommStats, DBuffer
 from lightning_ragged.granularity import GranularityPolicy, resolve_granularity
-from lightning_ragged.grouping import GroupSpec, plan_groups, split_into_buckets
+from lightning_ragged.grouping import GroupSpec, parameter_slots, plan_groups, split_into_buckets
 from lightning_ragged.planning import TensorSpec, plan
 from lightning_ragged.shard_group import ShardGroup
 
@@ -70,11 +70,10 @@ class RaggedFSDPState:
             self.forward_order.append(group)
         first_use = not group.is_unsharded  # the root group is triggered by every module holding it
         group.use_unsharded()
-        if not self._in_backward:
+        if not self._in_backward and (first_use or not group.is_root):
             for bucket in group.buckets:
                 bucket.release_unused_sharded_grad()
-            if first_use or not group.is_root:
-                self._prefetch(group, forward=True)
+            self._prefetch(group, forward=True)
         return self._cast_inputs(args, kwargs)
 
     def post_forward(self, group: ShardGroup, output: Any) -> None:
@@ -199,11 +198,7 @@ def fully_shard(
     param_dtype = mp_policy.param_dtype if mp_policy is not None else None
     reduce_dtype = mp_policy.reduce_dtype if mp_policy is not None else None
 
-    slots_by_param: dict[int, list[tuple[nn.Module, str]]] = {}
-    for submodule in module.modules():
-        for attr, param in submodule._parameters.items():
-            if param is not None:
-                slots_by_param.setdefault(id(param), []).append((submodule, attr))
+    slots_by_param = parameter_slots(module)
 
     shard_groups = []
     for group_plan in group_plans:
@@ -227,7 +222,7 @@ def fully_shard(
             )
             buckets.append(bucket)
             for name, param in bucket_params:
-                slots += [(owner, attr, bucket, name) for owner, attr in slots_by_param[id(param)]]
+                slots += [(owner, attr, bucket, name) for _, owner, attr in slots_by_param[id(param)]]
         shard_groups.append(ShardGroup(group_plan.name, group_plan.module, buckets, slots, reshard_after_forward))
 
     *groups, root_group = shard_groups

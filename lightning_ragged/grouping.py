@@ -23,25 +23,36 @@ GroupSpec = Union[Type[nn.Module], nn.Module]
 class ParamGroupPlan:
     """The parameters of one group: ``module`` runs them (None for the root group).
 
-    ``runs`` splits ``params`` where parameters of other groups come between them in
-    module order (the root's embeddings before the blocks, its head after them), so each
-    run gets its own DBuffer and is reduced as soon as its own gradients are done.
+    ``runs`` splits the parameters where parameters of other groups come between them
+    in module order (the root's embeddings before the blocks, its head after them), so
+    each run gets its own DBuffer and is reduced as soon as its own gradients are done.
     """
 
     name: str
     module: nn.Module | None
-    params: list[tuple[str, nn.Parameter]] = field(default_factory=list)
     runs: list[list[tuple[str, nn.Parameter]]] = field(default_factory=list)
+    _last_index: int = field(default=-2, init=False, repr=False)
 
     def add(self, index: int, name: str, param: nn.Parameter) -> None:
         """Append the parameter that is ``index``-th in module order."""
-        if not self.runs or self._last_index != index - 1:
+        if self._last_index != index - 1:
             self.runs.append([])
         self.runs[-1].append((name, param))
-        self.params.append((name, param))
         self._last_index = index
 
-    _last_index: int = field(default=-2, init=False, repr=False)
+
+ParamSlot = tuple[str, nn.Module, str]
+"""Where a parameter is held: (module name, module, attribute)."""
+
+
+def parameter_slots(root: nn.Module) -> dict[int, list[ParamSlot]]:
+    """Every (module, attribute) holding each parameter, keyed by ``id(param)`` (tied weights: several)."""
+    slots: dict[int, list[ParamSlot]] = {}
+    for module_name, module in root.named_modules(remove_duplicate=False):
+        for attr, param in module._parameters.items():
+            if param is not None:
+                slots.setdefault(id(param), []).append((module_name, module, attr))
+    return slots
 
 
 def choose_group_modules(
@@ -92,21 +103,17 @@ def plan_groups(
     _check_dbuffer_size(dbuffer_size)
     groups = [ParamGroupPlan(name, module) for name, module in choose_group_modules(root, group_modules, dbuffer_size)]
     groups.append(ParamGroupPlan("root", None))
-    owners_by_param: dict[int, list[str]] = {}
-    for module_name, module in root.named_modules(remove_duplicate=False):
-        for param in module._parameters.values():
-            if param is not None:
-                owners_by_param.setdefault(id(param), []).append(module_name)
+    slots = parameter_slots(root)
     group_prefixes = [(plan.name, plan) for plan in groups[:-1]]
     for index, (param_name, param) in enumerate(root.named_parameters()):
-        owners = owners_by_param[id(param)]
+        owners = [module_name for module_name, _, _ in slots[id(param)]]
         target = groups[-1]
         for prefix, plan in group_prefixes:
             if all(owner == prefix or owner.startswith(prefix + ".") for owner in owners):
                 if target is groups[-1] or len(prefix) > len(target.name):
                     target = plan
         target.add(index, param_name, param)
-    return [plan for plan in groups if plan.params or plan.module is None]
+    return [plan for plan in groups if plan.runs or plan.module is None]
 
 
 def split_into_buckets(

@@ -206,7 +206,7 @@ def check_collectives_per_step() -> dict:
     reduced = []
     for bucket in state.buckets():
         original = bucket.reduce_grad
-        bucket.reduce_grad = lambda *a, b=bucket, f=original, **k: (reduced.append(b.names), f(*a, **k))[1]
+        bucket.reduce_grad = lambda *a, b=bucket, f=original, **k: (reduced.append(list(b.unsharded_params)), f(*a, **k))[1]
     lm_loss(model, _local(make_batches(1, BATCH)[0])).backward()
     stats = state.stats
     buffers = list(state.buckets())

@@ -51,7 +51,10 @@ def train_against_torch_muon(granularities=GRANULARITIES, steps=STEPS, adjust_lr
     reduced gradient. With ``shared_grads`` the reference then steps on the engine's
     gradient, isolating the optimizer; without, it steps on its own. Newton–Schulz runs in
     bf16, so a last-bit gradient difference (gloo's sum order and 1/world scale at world 3)
-    flips bf16 roundings and grows to ~1e-3 over 5 steps — see ``test_bf16_noise_floor``.
+    can flip a bf16 rounding inside Newton–Schulz: one flip changes an update element by up to
+    one bf16 ulp of it (2^-8 relative), i.e. ~lr·2^-8 ≈ 1e-4 per step and matrix element at
+    lr 0.02; 5 steps with momentum stay well under 5e-3. Whether a flip happens at all depends
+    on the CPU's bf16 kernels (AVX-512 BF16/AMX round differently), so no test asserts it.
     """
     rank, world = dist.get_rank(), dist.get_world_size()
     batches = make_batches(steps, batch=6)
@@ -149,29 +152,11 @@ def test_muon_end_to_end_within_bf16_tolerance(dist_pool, world_size):
     per_rank = dist_pool(world_size).run(train_against_torch_muon, ("row",), STEPS, "match_rms_adamw", False)
     result = per_rank[0]["row"]
     assert result["split"] > 0
-    # measured: 0.0 at world 2 (gloo's 2-way sum is exact); ~1e-3 at world 3, the bf16 noise floor
+    # world 2: gloo's 2-way sum is exact, so no bf16 rounding can flip (measured 0.0).
+    # world 3: the bf16 flip bound of ``train_against_torch_muon``'s docstring (measured 0 to 2.6e-3,
+    # by CPU), far below how far the matrices move (``moved`` > 1e-2).
     assert result["muon_diff"] <= (1e-6 if world_size == 2 else 5e-3), result
-
-
-def noise_floor(steps=STEPS, ulps=1):
-    """torch.optim.Muon against itself, one run's gradients perturbed by ``ulps`` fp32 ulps."""
-    results = []
-    for perturb in (False, True):
-        model = make_model()
-        muon, adamw, names = _optimizers(model.named_parameters(), torch.optim.Muon)
-        for step, tokens in enumerate(make_batches(steps, batch=6)):
-            lm_loss(model, tokens).backward()
-            if perturb:
-                for param in model.parameters():
-                    param.grad = torch.nextafter(param.grad, param.grad + ulps * torch.sign(param.grad))
-            muon.step(), adamw.step(), muon.zero_grad(), adamw.zero_grad()
-        results.append({name: model.state_dict()[name] for name in names})
-    return max((results[0][n] - results[1][n]).abs().max().item() for n in results[0])
-
-
-def test_bf16_noise_floor():
-    """A 1-ulp gradient change moves single-process torch.optim.Muon by ~1e-3 in 5 steps (bf16 NS)."""
-    assert noise_floor() > 1e-4
+    assert result["moved"] > 1e-2
 
 
 def test_muon_refuses_non_matrix_params():

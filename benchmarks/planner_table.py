@@ -36,7 +36,7 @@ from lightning_ragged.planning import TensorSpec, plan, segment_lower_bound  # n
 WORLD_SIZES = (64, 1024, 10_000)
 ROW_MULTIPLES = (1, 16, 128)
 ALGORITHMS = ("greedy", "optimal")
-ALIGNMENT = 16  # elements: keeps every bf16 segment 32-byte aligned
+ALIGNMENT = 16  # elements: every bf16 segment and every parameter view (offset) 32-byte aligned
 TIME_TARGET_S = 0.3  # per group at 10,000 ranks
 PADDING_TARGET = 0.03  # at 1x and 16x rows
 
@@ -148,7 +148,8 @@ def main() -> None:
         "",
         "Written by `benchmarks/planner_table.py`. S is the per-rank segment size in elements, pad is "
         "padding / parameters, s is wall-clock planning time. Alignment "
-        f"{ALIGNMENT} elements. A row of a fused expert tensor [E, a, b] is one row of one expert (b elements).",
+        f"{ALIGNMENT} elements (segment size and every tensor's offset). "
+        "A row of a fused expert tensor [E, a, b] is one row of one expert (b elements).",
         f"Machine: {machine}.",
         f"Targets: <= {TIME_TARGET_S} s per group at 10,000 ranks; <= {PADDING_TARGET:.0%} padding at 1x and 16x rows.",
         "Lower bound: `segment_lower_bound` (room, S >= every block, and S a multiple of the block of every "

@@ -4,38 +4,57 @@ The buffer has ``world_size`` equal segments of ``segment_size`` (S) elements;
 rank k owns ``[k*S, (k+1)*S)``. A layout puts every tensor at an offset so that
 intervals are disjoint, padding lies only *between* tensors, every rank boundary
 ``b = k*S`` strictly inside a tensor is a multiple of the tensor's granularity
-away from its start, and S is a multiple of the alignment unit. The planner
-minimises S (equivalently the padding ``world_size*S - total``). The problem is
-NP-hard (Partition reduces to it), so ``"optimal"`` is the veScale-FSDP heuristic
-(arXiv 2602.22437, section 5), made exact for small groups.
+away from its start, and both S and every tensor's offset are multiples of the
+alignment unit ``a`` (in elements; a = 16 bytes / element size keeps every
+parameter view 16-byte aligned). The planner minimises S (equivalently the
+padding ``world_size*S - total``, which includes the padding alignment adds
+between tensors). The problem is NP-hard (Partition reduces to it), so
+``"optimal"`` is the veScale-FSDP heuristic (arXiv 2602.22437, section 5), made
+exact for small groups.
 
-Two facts carry the whole module.
+**Alignment changes the granularity, nothing else.** Every boundary b is a
+multiple of a (S is), so with an aligned offset l the cut ``b - l`` is a
+multiple of a; it must also be one of g. Hence, with offsets restricted to
+multiples of a, "cut at a multiple of g" is the same as "cut at a multiple of
+``step = lcm(a, g)``", and ``S % g == 0`` the same as ``S % step == 0``. The
+facts below hold with step in place of g (at a = 1, step = g).
 
 **Fact 1 (earliest offsets are optimal for a fixed order).** For a tensor t and
 segment size S let ``f(p)`` be the smallest valid offset of t that is ``>= p``.
 Then f is non-decreasing: for ``p <= p'`` the offset ``f(p')`` is valid and
-``>= p``, so ``f(p) <= f(p')``. Hence, for a fixed order of the tensors, placing
+``>= p``, so ``f(p) <= f(p')``. The proof uses only that validity of an offset
+depends on t, S and a alone (not on the other tensors), so it holds unchanged
+when valid offsets must also be multiples of a: f is then the first element ``>= p``
+of a smaller fixed set. Hence, for a fixed order of the tensors, placing
 each at the earliest valid offset at or after the previous end minimises the end
 of every prefix (induction: a smaller previous end never gives a later start).
 So one linear pass (:func:`pack_in_order`) decides *exactly* whether an order fits
 in ``world_size`` segments of size S; it is the paper's "fewest ranks for a
 prefix" DP solved in closed form.
 
-**Fact 2 (S >= every granularity).** If a rank boundary cuts tensor t, the piece
+**Fact 2 (S >= every block).** If a rank boundary cuts tensor t, the piece
 before the first cut lies inside one segment and is a positive multiple of
-``g_t``, so ``g_t <= S``; if nothing cuts t, then ``g_t <= numel_t <= S``.
+``step_t``, so ``step_t <= S``; if nothing cuts t, then t lies inside one segment
+from an aligned offset, so ``align_up(numel_t, a) <= S`` (S is a multiple of a).
+Either way ``S >= min(step_t, align_up(numel_t, a)) >= g_t``.
 
-**Fact 3 (two cuts force S % g == 0).** Two cuts S apart in one tensor are both
-multiples of g from its start. A tensor of at least 2S elements always gets two
+**Fact 3 (two cuts force S % step == 0).** Two cuts S apart in one tensor are both
+multiples of step from its start. A tensor of at least 2S elements always gets two
 cuts (or one cut exactly S in), so feasible segment sizes are sparse: multiples
-of the lcm of the big tensors' granularities. Facts 2 and 3 and
-``world_size*S >= total`` give :func:`segment_lower_bound`.
+of the lcm of a and the big tensors' granularities.
+
+**Fact 4 (room in aligned units).** Tensor t starts at a multiple of a, the next
+tensor starts at a multiple of a at or after t's end, and the buffer end
+``world_size*S`` is a multiple of a; so t alone owns ``ceil(numel_t / a)`` whole
+a-element units, the last tensor included, and
+``world_size * S / a >= sum_t ceil(numel_t / a)`` (at a = 1: ``world_size*S >= total``).
+Facts 2, 3 and 4 give :func:`segment_lower_bound`.
 
 **Algorithms.** ``"greedy"``: the given order, binary search on S between the
 lower bound and a size that surely fits. ``"optimal"``: the same binary search
-for several orders (given, granularity-descending, numel-descending, coarse
-tensors first with element-granular ones filling the gaps, and two "least
-padding next" orders built while packing); then, because feasibility is not
+for several orders (given, step-descending, numel-descending, coarse tensors
+first with fine ones (step = a) filling the gaps, and two "least padding next"
+orders built while packing); then, because feasibility is not
 monotone in S, every candidate below the best answer is re-checked in
 increasing order: a window of ``_WINDOW`` sizes just below it and the first
 multiples of the lcms from Fact 3. For small groups (at most
@@ -160,9 +179,10 @@ class Layout:
     def validate(self) -> None:
         """Check every constraint of the planning problem, independently of how the layout was made.
 
-        Raises DBufferAlignmentError for a bad segment size, overlapping tensors or a
-        tensor outside the buffer, and RaggedShardBoundaryViolation when a rank
-        boundary would cut one of a tensor's blocks.
+        Raises DBufferAlignmentError for a bad segment size, a tensor whose offset is
+        not a multiple of the alignment, overlapping tensors or a tensor outside the
+        buffer, and RaggedShardBoundaryViolation when a rank boundary would cut one of
+        a tensor's blocks.
         """
         self._validate_geometry()
         for name in self.order:
@@ -191,6 +211,13 @@ class Layout:
                     f"tensor {name!r} occupies [{offset}, {offset + numel}), outside the buffer "
                     f"[0, {self.buffer_numel}) of {self.world_size} segments of {self.segment_size}; "
                     "use a larger segment_size or smaller offsets"
+                )
+            if offset % self.alignment:
+                raise DBufferAlignmentError(
+                    f"tensor {name!r} starts at offset {offset}, which is not a multiple of "
+                    f"alignment={self.alignment} (its view would be misaligned); move it to a multiple of "
+                    f"{self.alignment}, e.g. {_align_up(offset, self.alignment)} (padding before it), or use "
+                    "a smaller alignment"
                 )
             if numel == 0:
                 continue
@@ -228,6 +255,13 @@ def plan(specs: Sequence[TensorSpec], world_size: int, algorithm: str = "optimal
 
     ``"greedy"`` keeps the given order; ``"optimal"`` also tries other orders and
     segment sizes, and is never worse than ``"greedy"``.
+
+    ``alignment`` (in elements, default 1 = no constraint) is a multiple that both
+    the segment size and *every tensor's offset* in the flat buffer must be: with
+    ``alignment = 16 bytes // element_size`` (4 for fp32, 8 for bf16) every rank's
+    segment and every parameter view starts 16-byte aligned (given an aligned
+    buffer). The gaps alignment leaves between tensors are ordinary padding,
+    counted in :attr:`Layout.padding`; a tensor's numel need not be a multiple of it.
     """
     specs = list(specs)
     _check_plan_arguments(specs, world_size, algorithm, alignment)
@@ -268,15 +302,17 @@ def manual_layout(
 def segment_lower_bound(specs: Sequence[TensorSpec], world_size: int, alignment: int) -> int:
     """Smallest segment size that meets three necessary conditions, so no valid layout has a smaller one.
 
-    Room: ``world_size * S >= total``. Blocks: ``S >= g`` for every tensor (Fact
-    2). Two cuts: ``S % g == 0`` for every tensor of at least ``2*S`` elements
-    (Fact 3). Those tensors are a prefix of the tensors by decreasing size that shrinks as S
-    grows: prefix k is forced exactly for S in ``(c_{k+1}, c_k]`` with
-    ``c = numel // 2``; the bound is the smallest S found over those ranges.
+    All in multiples of ``alignment`` (a). Room: ``world_size * S >= a * sum(ceil(numel / a))``
+    (Fact 4; ``>= total`` at a = 1). Blocks: ``S >= min(lcm(a, g), align_up(numel, a))``
+    for every tensor (Fact 2; ``S >= g`` at a = 1). Two cuts: ``S % lcm(a, g) == 0`` for
+    every tensor of at least ``2*S`` elements (Fact 3). Those tensors are a prefix of the
+    tensors by decreasing size that shrinks as S grows: prefix k is forced exactly for S in
+    ``(c_{k+1}, c_k]`` with ``c = numel // 2``; the bound is the smallest S found over those ranges.
     """
     tensors = [spec for spec in specs if spec.numel]
-    total = sum(spec.numel for spec in tensors)
-    room = _align_up(max(-(-total // world_size), max((s.granularity for s in tensors), default=1), 1), alignment)
+    units = sum(-(-spec.numel // alignment) for spec in tensors)
+    blocks = max((min(_step(s.granularity, alignment), _align_up(s.numel, alignment)) for s in tensors), default=1)
+    room = _align_up(max(alignment * -(-units // world_size), blocks, 1), alignment)
     coarse = sorted((s for s in tensors if s.granularity > 1), key=lambda s: -s.numel)
     limits = [spec.numel // 2 for spec in coarse] + [0]
     best, lcm = _align_up(max(room, limits[0] + 1), alignment), alignment
@@ -288,35 +324,47 @@ def segment_lower_bound(specs: Sequence[TensorSpec], world_size: int, alignment:
     return best
 
 
-def earliest_offset(cursor: int, numel: int, granularity: int, segment: int) -> Optional[int]:
+def earliest_offset(
+    cursor: int, numel: int, granularity: int, segment: int, alignment: int = 1
+) -> Optional[int]:
     """Smallest valid offset ``>= cursor`` for a tensor, or None when no offset is valid for this segment size.
 
-    If the tensor ends by the next boundary b, the cursor itself. Otherwise b is
-    cut, so the start must be congruent to b modulo the granularity: the first
-    such start ``cursor + (b - cursor) % g``; any later start in the same segment
-    only pushes the end further, so if that start also cuts boundary ``b + S``
-    with ``S % g != 0`` the whole segment is hopeless and the search moves to b.
-    From a boundary the situation repeats in every later segment, so a failure
-    there is final.
+    Valid offsets are multiples of ``alignment`` (``segment`` must be one too), so
+    the search starts at the cursor rounded up to it and cuts must be multiples of
+    ``step = lcm(alignment, granularity)`` (see the module docstring). If the
+    tensor ends by the next boundary b, the (aligned) cursor itself. Otherwise b is
+    cut, so the start must be congruent to b modulo step: the first such start
+    ``cursor + (b - cursor) % step``, aligned since b and the cursor are; any later
+    start in the same segment only pushes the end further, so if that start also
+    cuts boundary ``b + S`` with ``S % step != 0`` the whole segment is hopeless and
+    the search moves to b (aligned). From a boundary the situation repeats in every
+    later segment, so a failure there is final.
     """
+    return _earliest(_align_up(cursor, alignment), numel, _step(granularity, alignment), segment)
+
+
+def _earliest(cursor: int, numel: int, step: int, segment: int) -> Optional[int]:
+    """:func:`earliest_offset` from an aligned ``cursor`` with the cut step ``lcm(alignment, granularity)``."""
     while True:
         boundary = (cursor // segment + 1) * segment
         if cursor + numel <= boundary:
             return cursor
-        start = cursor + (boundary - cursor) % granularity
-        if start < boundary and (start + numel <= boundary + segment or segment % granularity == 0):
+        start = cursor + (boundary - cursor) % step
+        if start < boundary and (start + numel <= boundary + segment or segment % step == 0):
             return start
         if cursor % segment == 0:
             return None
         cursor = boundary
 
 
-def pack_in_order(order: Sequence[TensorSpec], segment: int, capacity: int) -> Optional[Placement]:
-    """Place ``order`` at earliest offsets (Fact 1); the placement, or None if it cannot end by ``capacity``."""
+def pack_in_order(
+    order: Sequence[TensorSpec], segment: int, capacity: int, alignment: int = 1
+) -> Optional[Placement]:
+    """Place ``order`` at earliest aligned offsets (Fact 1); the placement, or None if it cannot end by ``capacity``."""
     remaining = sum(spec.numel for spec in order)
     cursor, placement = 0, []
     for spec in order:
-        start = earliest_offset(cursor, spec.numel, spec.granularity, segment)
+        start = earliest_offset(cursor, spec.numel, spec.granularity, segment, alignment)
         remaining -= spec.numel
         if start is None or start + spec.numel + remaining > capacity:
             return None
@@ -328,7 +376,7 @@ def pack_in_order(order: Sequence[TensorSpec], segment: int, capacity: int) -> O
 def _plan_greedy(tensors: list[TensorSpec], world_size: int, alignment: int) -> tuple[int, Placement]:
     """The given order, binary search on S."""
     low, high = _search_range(tensors, world_size, alignment)
-    return _binary_search(_fixed_order(tensors), low, high, alignment, world_size)
+    return _binary_search(_fixed_order(tensors, alignment), low, high, alignment, world_size)
 
 
 def _plan_optimal(tensors: list[TensorSpec], world_size: int, alignment: int) -> tuple[int, Placement]:
@@ -341,13 +389,13 @@ def _plan_optimal(tensors: list[TensorSpec], world_size: int, alignment: int) ->
     groups each candidate is decided over all orders at once.
     """
     low, high = _search_range(tensors, world_size, alignment)
-    strategies = _search_strategies(tensors)
+    strategies = _search_strategies(tensors, alignment)
     best = min(
         (_binary_search(strategy, low, high, alignment, world_size) for strategy in strategies),
         key=lambda result: result[0],
     )
-    checks = [_all_orders(tensors)] if _multiset_states(tensors) <= _EXHAUSTIVE_STATES else strategies
-    large_first = sorted({(s.numel, s.granularity) for s in tensors if s.granularity > 1}, reverse=True)
+    checks = [_all_orders(tensors, alignment)] if _multiset_states(tensors) <= _EXHAUSTIVE_STATES else strategies
+    large_first = sorted({(s.numel, _step(s.granularity, alignment)) for s in tensors if s.granularity > 1})[::-1]
     for segment in _candidate_segments(tensors, low, best[0], alignment):
         if not _cuts_possible(large_first, segment):
             continue
@@ -361,15 +409,19 @@ def _plan_optimal(tensors: list[TensorSpec], world_size: int, alignment: int) ->
 def _search_range(tensors: Sequence[TensorSpec], world_size: int, alignment: int) -> tuple[int, int]:
     """The lower bound, and a segment size every strategy surely fits.
 
-    Two sizes surely fit: the whole group in the first segment, and any multiple
-    of every granularity with room for ``g - 1`` padding per tensor (with
-    ``S % g == 0`` an earliest offset is never more than ``g - 1`` past the cursor).
+    Two sizes surely fit: the whole group in the first segment (every tensor at
+    the aligned cursor: ``sum(align_up(numel, a))``), and any multiple of a and
+    every granularity with room for ``step - 1`` padding per tensor (with
+    ``S % step == 0`` an earliest offset is never more than ``step - 1`` past the
+    cursor: at most ``a - 1`` to align it, then at most ``step - a`` to a start
+    congruent to the boundary modulo step, or to the boundary itself).
     """
     low = segment_lower_bound(tensors, world_size, alignment)
     total = sum(spec.numel for spec in tensors)
     blocks = math.lcm(alignment, *(spec.granularity for spec in tensors))
-    room = -(-(total + sum(spec.granularity - 1 for spec in tensors)) // world_size)
-    return low, max(low, min(_align_up(total, alignment), _align_up(room, blocks)))
+    one_segment = sum(_align_up(spec.numel, alignment) for spec in tensors)
+    room = -(-(total + sum(_step(spec.granularity, alignment) - 1 for spec in tensors)) // world_size)
+    return low, max(low, min(one_segment, _align_up(room, blocks)))
 
 
 def _binary_search(
@@ -412,67 +464,79 @@ def _candidate_segments(tensors: Sequence[TensorSpec], low: int, best: int, alig
 
 
 def _cuts_possible(large_first: Sequence[tuple[int, int]], segment: int) -> bool:
-    """Quick necessary check: can every ``(numel, granularity)`` longer than a segment be cut validly?
+    """Quick necessary check: can every ``(numel, step)`` longer than a segment be cut validly?
 
-    Unless ``S % g == 0``, such a tensor must be cut exactly once, at a multiple
-    of g that leaves at most S on either side, and it must be shorter than 2S.
+    ``step = lcm(alignment, granularity)`` (cuts from an aligned offset are
+    multiples of it). Unless ``S % step == 0``, such a tensor must be cut exactly
+    once, at a multiple of step that leaves at most S on either side, and it must
+    be shorter than 2S.
     """
-    for numel, granularity in large_first:
+    for numel, step in large_first:
         if numel <= segment:
             return True
-        if segment % granularity and (numel >= 2 * segment or segment // granularity * granularity < numel - segment):
+        if segment % step and (numel >= 2 * segment or segment // step * step < numel - segment):
             return False
     return True
 
 
-def _search_strategies(tensors: list[TensorSpec]) -> list[Strategy]:
-    """Distinct fixed orders (given, granularity- and numel-descending), gap filling, least padding next."""
+def _search_strategies(tensors: list[TensorSpec], alignment: int) -> list[Strategy]:
+    """Distinct fixed orders (given, step- and numel-descending), gap filling, least padding next.
+
+    ``step = lcm(alignment, granularity)`` is the granularity that matters from aligned offsets.
+    """
     orders = [
         tensors,
-        sorted(tensors, key=lambda s: (-s.granularity, -s.numel)),
-        sorted(tensors, key=lambda s: (-s.numel, -s.granularity)),
+        sorted(tensors, key=lambda s: (-_step(s.granularity, alignment), -s.numel)),
+        sorted(tensors, key=lambda s: (-s.numel, -_step(s.granularity, alignment))),
     ]
     strategies, seen = [], set()
     for order in orders:
         signature = tuple((s.numel, s.granularity) for s in order)
         if signature not in seen:
             seen.add(signature)
-            strategies.append(_fixed_order(order))
-    if any(s.granularity == 1 for s in tensors) and any(s.granularity > 1 for s in tensors):
-        strategies.append(_coarse_first_with_fillers(tensors))
-    strategies.append(_least_padding_next(tensors, coarse_first=True))
-    strategies.append(_least_padding_next(tensors, coarse_first=False))
+            strategies.append(_fixed_order(order, alignment))
+    if any(alignment % s.granularity == 0 for s in tensors) and any(alignment % s.granularity for s in tensors):
+        strategies.append(_coarse_first_with_fillers(tensors, alignment))
+    strategies.append(_least_padding_next(tensors, alignment, coarse_first=True))
+    strategies.append(_least_padding_next(tensors, alignment, coarse_first=False))
     return strategies
 
 
-def _fixed_order(order: Sequence[TensorSpec]) -> Strategy:
-    return lambda segment, capacity: pack_in_order(order, segment, capacity)
+def _fixed_order(order: Sequence[TensorSpec], alignment: int) -> Strategy:
+    return lambda segment, capacity: pack_in_order(order, segment, capacity, alignment)
 
 
-def _coarse_first_with_fillers(tensors: Sequence[TensorSpec]) -> Strategy:
-    """Coarse tensors by decreasing granularity; element-granular tensors fill the gaps they leave.
+def _coarse_first_with_fillers(tensors: Sequence[TensorSpec], alignment: int) -> Strategy:
+    """Coarse tensors by decreasing step; fillers (granularity dividing the alignment) fill the gaps they leave.
 
-    When a coarse tensor's earliest offset lies past the cursor, the gap would be
-    padding. An element-granular tensor placed in the gap changes nothing after
-    it (an earliest offset is the same from any cursor up to it), so the largest
-    fillers that fit go there; leftovers go at the end, where they pack tightly.
+    A filler's valid offsets are all aligned offsets (any cut from one is a
+    multiple of the alignment, so of its granularity); at alignment 1 the fillers
+    are the element-granular tensors. When a coarse tensor's earliest offset lies
+    past the aligned cursor, the gap would be padding. A filler placed in the gap
+    changes nothing after it (an earliest offset is the same from any cursor up
+    to it, Fact 1), so the largest fillers that fit go there; leftovers go at the
+    end, where they pack tightly (up to alignment padding).
     """
-    coarse = sorted((s for s in tensors if s.granularity > 1), key=lambda s: (-s.granularity, -s.numel))
-    fillers = sorted((s for s in tensors if s.granularity == 1), key=lambda s: s.numel)
+    coarse = sorted(
+        (s for s in tensors if alignment % s.granularity), key=lambda s: (-_step(s.granularity, alignment), -s.numel)
+    )
+    fillers = sorted((s for s in tensors if alignment % s.granularity == 0), key=lambda s: s.numel)
 
     def place(segment: int, capacity: int) -> Optional[Placement]:
         pool, sizes = list(fillers), [s.numel for s in fillers]
         remaining = sum(spec.numel for spec in tensors)
         cursor, placement = 0, []
         for spec in coarse:
-            start = earliest_offset(cursor, spec.numel, spec.granularity, segment)
+            start = earliest_offset(cursor, spec.numel, spec.granularity, segment, alignment)
             if start is None:
                 return None
-            while start > cursor and (index := bisect.bisect_right(sizes, start - cursor) - 1) >= 0:
+            while (gap := start - _align_up(cursor, alignment)) > 0 and (
+                index := bisect.bisect_right(sizes, gap) - 1
+            ) >= 0:
                 sizes.pop(index)
                 filler = pool.pop(index)
-                placement.append((filler, cursor))
-                cursor += filler.numel
+                placement.append((filler, start - gap))
+                cursor = start - gap + filler.numel
                 remaining -= filler.numel
             placement.append((spec, start))
             cursor = start + spec.numel
@@ -480,35 +544,44 @@ def _coarse_first_with_fillers(tensors: Sequence[TensorSpec]) -> Strategy:
             if cursor + remaining > capacity:
                 return None
         for filler in pool:
+            cursor = _align_up(cursor, alignment)
             placement.append((filler, cursor))
             cursor += filler.numel
-        return placement
+        return placement if cursor <= capacity else None
 
     return place
 
 
-def _least_padding_next(tensors: Sequence[TensorSpec], coarse_first: bool) -> Strategy:
+def _least_padding_next(tensors: Sequence[TensorSpec], alignment: int, coarse_first: bool) -> Strategy:
     """Build the order while packing: next comes the tensor that needs the least padding here.
 
     Ties go to the coarser tensor (``coarse_first``) or to the larger one: the
     hardest to place later. Identical tensors are one candidate, so a step costs
     the number of distinct (numel, granularity) kinds.
     """
-    key = (lambda kind: (-kind[1], -kind[0])) if coarse_first else (lambda kind: (-kind[0], -kind[1]))
+
+    def step(kind: tuple[int, int]) -> int:
+        return _step(kind[1], alignment)
+
+    key = (lambda kind: (-step(kind), -kind[0])) if coarse_first else (lambda kind: (-kind[0], -step(kind)))
     kinds = sorted(_kinds(tensors).items(), key=lambda item: key(item[0]))
 
     def place(segment: int, capacity: int) -> Optional[Placement]:
-        active = [(numel, granularity, list(reversed(group))) for (numel, granularity), group in kinds]
+        active = [
+            (numel, granularity, list(reversed(group)), _step(granularity, alignment))
+            for (numel, granularity), group in kinds
+        ]
         remaining = sum(spec.numel for spec in tensors)
         cursor, placement = 0, []
         while active:
             choice, choice_start = None, None
+            aligned = _align_up(cursor, alignment)
             for candidate in active:
-                start = earliest_offset(cursor, candidate[0], candidate[1], segment)
+                start = _earliest(aligned, candidate[0], candidate[3], segment)
                 if start is not None and (choice_start is None or start < choice_start):
                     choice, choice_start = candidate, start
-                    if start == cursor:
-                        break  # no padding: nothing later in preference order can do better
+                    if start == aligned:
+                        break  # no avoidable padding: nothing later in preference order can do better
             if choice is None:
                 return None
             spec = choice[2].pop()
@@ -536,15 +609,17 @@ def _kinds(tensors: Sequence[TensorSpec]) -> dict[tuple[int, int], list[TensorSp
     return kinds
 
 
-def _all_orders(tensors: Sequence[TensorSpec]) -> Strategy:
+def _all_orders(tensors: Sequence[TensorSpec], alignment: int) -> Strategy:
     """Exact check over every order at once: a DP over sub-multisets (the paper's DP, all orders).
 
     By Fact 1 the smallest end of a set M placed in any order, with t last, is
     t's earliest offset after the smallest end of ``M - {t}``, plus ``numel_t``;
-    so ``end[M] = min_t place(t, end[M - t])``. States are count vectors over the
-    kinds of identical tensors, indexed in mixed radix so predecessors come first.
+    so ``end[M] = min_t place(t, end[M - t])`` (offsets aligned: Fact 1 holds for them).
+    States are count vectors over the kinds of identical tensors, indexed in mixed
+    radix so predecessors come first.
     """
     kinds = list(_kinds(tensors).items())
+    steps = [_step(granularity, alignment) for (_, granularity), _ in kinds]
     strides = [math.prod(len(group) + 1 for _, group in kinds[:i]) for i in range(len(kinds))]
     states = [
         tuple((index // stride) % (len(group) + 1) for stride, (_, group) in zip(strides, kinds))
@@ -557,11 +632,11 @@ def _all_orders(tensors: Sequence[TensorSpec]) -> Strategy:
         end: list[Optional[int]] = [0] + [None] * (len(states) - 1)
         last: list[int] = [-1] * len(states)
         for index in range(1, len(states)):
-            for kind, ((numel, granularity), _) in enumerate(kinds):
+            for kind, ((numel, _), _) in enumerate(kinds):
                 previous = end[index - strides[kind]] if states[index][kind] else None
                 if previous is None:
                     continue
-                start = earliest_offset(previous, numel, granularity, segment)
+                start = _earliest(_align_up(previous, alignment), numel, steps[kind], segment)
                 if start is None or start + numel + remaining[index] > capacity:
                     continue
                 if end[index] is None or start + numel < end[index]:
@@ -573,7 +648,7 @@ def _all_orders(tensors: Sequence[TensorSpec]) -> Strategy:
             sequence.append(last[index])
             index -= strides[last[index]]
         order = [kinds[kind][1][occurrence] for kind, occurrence in _number_occurrences(reversed(sequence))]
-        return pack_in_order(order, segment, capacity)
+        return pack_in_order(order, segment, capacity, alignment)
 
     return place
 
@@ -630,3 +705,8 @@ def _check_unique_names(specs: Sequence[TensorSpec]) -> None:
 
 def _align_up(value: int, unit: int) -> int:
     return -(-value // unit) * unit
+
+
+def _step(granularity: int, alignment: int) -> int:
+    """The unit of a cut from an aligned offset: ``lcm(alignment, granularity)`` (module docstring)."""
+    return granularity if alignment == 1 else math.lcm(alignment, granularity)

@@ -13,6 +13,12 @@ Three flat tensors laid out by the planner:
 Storage is freed and re-allocated with ``untyped_storage().resize_`` so the views (and
 tensors autograd saved) stay valid across reshard/unshard. Group-level work (zeroing,
 casting, scaling by 1/world) runs once on the flat tensors, never per parameter.
+
+A DBuffer whose parameters are all frozen (``requires_grad=False``) never allocates a
+gradient buffer and is never reduced; that is decided at every backward from the
+parameters' current flags, so ``requires_grad_`` between steps takes effect at the next one.
+Gradients follow DDP: a parameter no rank used in a backward keeps ``grad is None``;
+``no_sync`` micro-batches accumulate in the reduce dtype.
 """
 
 from __future__ import annotations
@@ -41,6 +47,8 @@ class CommStats:
     reduces: int = 0
     reduce_bytes: int = 0
     reduce_seconds: float = 0.0
+    flag_syncs: int = 0
+    """Small all-reduces of "which parameters got a gradient" (one per synchronized backward)."""
 
     def reset(self) -> None:
         self.__init__()
@@ -107,6 +115,14 @@ class DBuffer:
         self.unsharded_grad = torch.empty_like(self.unsharded)
         self.sharded_grad: torch.Tensor | None = None
         self._unsharded_bytes = self.unsharded.untyped_storage().nbytes()
+        self._accumulated: torch.Tensor | None = None
+        """``no_sync`` micro-batches summed in the reduce dtype (only when it differs from the compute dtype)."""
+        self._awaiting: set[str] = set()
+        self._used: set[str] = set()
+        self._grad_was_none: set[str] = set()
+        self._partial: torch.Tensor | None = None
+        self._partial_group: dist.ProcessGroup | None = None
+        self._partial_size = 1
         # The all-gather writes through an alias with its own version counter: an async
         # gloo collective bumps its output's version on a background thread, which would
         # invalidate the parameter views autograd saved in forward.
@@ -153,8 +169,12 @@ class DBuffer:
             return
         started = time.perf_counter()
         _allocate(self.unsharded, self._unsharded_bytes)
-        source = self.sharded if self.param_dtype == self.master_dtype else self.sharded.to(self.param_dtype)
-        work = dist.all_gather_single(self._gather_target, source, group=self.shard_group, async_op=async_op)
+        if self._partial is not None:  # kept by reshard_after_forward=int: gather inside the smaller group
+            source, group, self._partial = self._partial, self._partial_group, None
+        else:
+            source = self.sharded if self.param_dtype == self.master_dtype else self.sharded.to(self.param_dtype)
+            group = self.shard_group
+        work = dist.all_gather_single(self._gather_target, source, group=group, async_op=async_op)
         self.stats.all_gathers += 1
         self.stats.all_gather_bytes += self.unsharded.numel() * self.unsharded.element_size()
         self._pending_unshard = _PendingCollective(work, started, source)
@@ -167,18 +187,61 @@ class DBuffer:
             self._pending_unshard = None
 
     def reshard(self) -> None:
-        """Free the unsharded buffer; the parameter views stay valid for the next unshard."""
+        """Free the unsharded buffer (and a kept part of it); the parameter views stay valid for the next unshard."""
         self.wait_unshard()
+        self._partial = None
+        _free(self.unsharded)
+
+    def set_partial_group(self, group: dist.ProcessGroup, size: int) -> None:
+        """``reshard_after_forward=size``: after forward keep 1/size of the buffer, re-gathered inside ``group``."""
+        if self.world_size % size:
+            raise ValueError(f"reshard_after_forward={size} must divide the shard group's {self.world_size} ranks")
+        self._partial_group, self._partial_size = group, size
+
+    def reshard_to_partial(self) -> None:
+        """Keep this rank's 1/size of the full buffer (one flat copy), free the rest.
+
+        Member j of each group of ``size`` consecutive ranks keeps the j-th contiguous
+        chunk, so an all-gather inside the group writes the whole buffer back in place.
+        """
+        self.wait_unshard()
+        if self._partial_group is None or not self.is_unsharded:
+            self.reshard()
+            return
+        chunk = self.unsharded.numel() // self._partial_size
+        index = dist.get_rank(self._partial_group)
+        self._partial = self.unsharded[index * chunk : (index + 1) * chunk].clone()
         _free(self.unsharded)
 
     # --------------------------------------------------------------- gradients
     @property
+    def trainable(self) -> bool:
+        """True while any of its parameters requires a gradient (checked at every use)."""
+        return any(param.requires_grad for param in self.sharded_params.values())
+
+    @property
     def has_unsharded_grad(self) -> bool:
         return _is_allocated(self.unsharded_grad)
 
+    @property
+    def has_grad_to_reduce(self) -> bool:
+        """A gradient buffer or ``no_sync`` accumulation waits for the reduction."""
+        return self.has_unsharded_grad or self._accumulated is not None
+
+    def sync_requires_grad(self) -> list[tuple[str, nn.Parameter]]:
+        """Mirror the shards' ``requires_grad`` onto the full parameters; return those that just became trainable."""
+        changed = []
+        for name, sharded in self.sharded_params.items():
+            full = self.unsharded_params[name]
+            if full.requires_grad != sharded.requires_grad:
+                full.requires_grad_(sharded.requires_grad)
+                if sharded.requires_grad:
+                    changed.append((name, full))
+        return changed
+
     def prepare_unsharded_grad(self) -> None:
-        """Allocate and zero the gradient buffer once, and point every ``param.grad`` into it."""
-        if self.has_unsharded_grad:
+        """Allocate and zero the gradient buffer once, and point every trainable ``param.grad`` into it."""
+        if self.has_unsharded_grad or not self.trainable:
             return
         _allocate(self.unsharded_grad, self._unsharded_bytes)
         self.unsharded_grad.zero_()
@@ -186,25 +249,57 @@ class DBuffer:
             if param.requires_grad:
                 param.grad = self._unsharded_grad_views[name]
 
-    def owns_unsharded_grad(self, name: str) -> bool:
-        """True when autograd accumulated into our view (not a tensor of its own)."""
-        return self.unsharded_params[name].grad is self._unsharded_grad_views[name]
+    def begin_backward(self) -> None:
+        """Start counting this backward's gradients (see :meth:`grad_arrived`)."""
+        self._awaiting = {name for name, p in self.unsharded_params.items() if p.requires_grad}
 
-    def adopt_unsharded_grad(self, name: str) -> None:
-        """Fallback for a gradient autograd produced before the buffer existed: add it in."""
+    def grad_arrived(self, name: str) -> bool:
+        """Record that autograd finished ``name``'s gradient; True when it was the last one awaited.
+
+        A gradient autograd produced as a tensor of its own (it existed before the
+        buffer did) is added into the buffer.
+        """
         param = self.unsharded_params[name]
-        stray = param.grad
-        self.prepare_unsharded_grad()
-        if stray is not None and stray is not self._unsharded_grad_views[name]:
-            self._unsharded_grad_views[name].add_(stray)
-        param.grad = self._unsharded_grad_views[name]
+        view = self._unsharded_grad_views[name]
+        if param.grad is not view:
+            stray = param.grad
+            self.prepare_unsharded_grad()
+            if stray is not None and stray is not view:
+                view.add_(stray)
+            param.grad = view
+        self._used.add(name)
+        if name not in self._awaiting:
+            return False
+        self._awaiting.discard(name)
+        return not self._awaiting
+
+    def stash_unsynced_grad(self) -> None:
+        """After a ``no_sync`` backward: fold the compute-dtype gradients into the reduce-dtype sum.
+
+        With equal dtypes the gradient buffer itself keeps accumulating; otherwise one
+        flat ``add_`` into a reduce-dtype buffer per micro-batch (as FSDP2 accumulates),
+        and the compute-dtype buffer is freed.
+        """
+        if self.reduce_dtype == self.param_dtype or not self.has_unsharded_grad:
+            return
+        if self._accumulated is None:
+            self._accumulated = self.unsharded_grad.to(self.reduce_dtype)
+        else:
+            self._accumulated.add_(self.unsharded_grad)
+        self.free_unsharded_grad()
 
     def reduce_grad(self, async_op: bool = True) -> None:
         """Sum the flat gradient buffer over the shard group, in place (all-reduce) or into S (reduce-scatter)."""
         started = time.perf_counter()
-        full = self.unsharded_grad
-        if self.reduce_dtype != self.param_dtype:
-            full = full.to(self.reduce_dtype)
+        if self.reduce_dtype == self.param_dtype:
+            full = self.unsharded_grad
+        else:
+            if self._accumulated is None:
+                full = self.unsharded_grad.to(self.reduce_dtype)
+            else:
+                full, self._accumulated = self._accumulated, None
+                if self.has_unsharded_grad:
+                    full.add_(self.unsharded_grad)
             self.free_unsharded_grad()
         if self.reduce_mode == "all_reduce":
             work = dist.all_reduce(full, group=self.shard_group, async_op=async_op)
@@ -244,7 +339,8 @@ class DBuffer:
         that scales it, so taking the own segment costs no extra copy.
         """
         params = list(self.sharded_params.items())
-        fresh = all(param.grad is None for _, param in params)
+        self._grad_was_none = {name for name, param in params if param.grad is None}
+        fresh = len(self._grad_was_none) == len(params)
         if self.sharded_grad is None:
             self.sharded_grad = torch.empty(self.layout.segment_size, dtype=self.master_dtype, device=self.device)
             if not fresh:
@@ -262,6 +358,35 @@ class DBuffer:
         for name, param in params:
             if param.requires_grad:
                 param.grad = self.sharded_grad[self._sharded_grad_slices[name]]
+
+    @property
+    def trainable_count(self) -> int:
+        return sum(1 for p in self.sharded_params.values() if p.requires_grad)
+
+    def used_flags(self) -> list[bool]:
+        """Per trainable parameter (in order): did a gradient reach it since the last reduction?"""
+        return [name in self._used for name, p in self.sharded_params.items() if p.requires_grad]
+
+    def settle_unused(self, used_anywhere: Sequence[bool]) -> None:
+        """After the reduction: a parameter no rank used keeps ``grad is None`` (as DDP and FSDP2)."""
+        trainable = [name for name, p in self.sharded_params.items() if p.requires_grad]
+        for name, used in zip(trainable, used_anywhere):
+            if not used and name in self._grad_was_none:
+                self.sharded_params[name].grad = None
+        self._used.clear()
+
+    def reset(self) -> None:
+        """Forget a step that failed (an exception in forward or backward): finish issued
+        collectives so every rank stays paired, free the full and gradient buffers."""
+        self.wait_unshard()
+        if self._pending_reduce is not None:
+            self._pending_reduce.wait()
+            self._pending_reduce = None
+        self._accumulated = None
+        self._awaiting.clear()
+        self._used.clear()
+        self.free_unsharded_grad()
+        _free(self.unsharded)
 
     def release_unused_sharded_grad(self) -> None:
         """Drop the persistent gradient segment while no parameter points into it.
@@ -290,11 +415,12 @@ class DBuffer:
         return out
 
     def load_full(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Copy this rank's pieces of full tensors into the sharded segment."""
+        """Copy this rank's pieces of full tensors (some or all of this buffer's) into the sharded segment."""
         with torch.no_grad():
-            for name, param in self.sharded_params.items():
+            for name, tensor in tensors.items():
+                param = self.sharded_params[name]
                 start, end = param.ragged_shard.local_range
-                param.copy_(tensors[name].reshape(-1)[start:end])
+                param.copy_(tensor.reshape(-1)[start:end])
 
 
 def _is_allocated(tensor: torch.Tensor) -> bool:

@@ -1,18 +1,16 @@
 """``fully_shard``: apply ragged, structure-aware FSDP to an ``nn.Module`` in place.
 
-Data flow per step (every group, ``reshard_after_forward=True``):
+Two ways to call it, as with torch's FSDP2:
 
-forward pre-hook   all-gather the group's DBuffers into their unsharded buffers (or wait for
-                   the prefetch issued by the previous group) and prefetch the next group
-forward post-hook  free the unsharded buffer; hook the outputs for backward
-pre-backward       all-gather again, attach the flat gradient buffer, prefetch the group
-                   that ran before this one
-last gradient      reduce the flat gradient buffer asynchronously (at most one in flight),
-                   free the unsharded buffer
-end of backward    finish every reduction into the sharded gradients, reset
+* once on the model: every block of every stack (each ``nn.ModuleList``/``nn.Sequential``
+  of blocks, or a block class repeated among siblings) becomes a group, the root group
+  keeps the rest (embeddings, head, tied weights);
+* FSDP2's pattern: ``fully_shard(block)`` for each block, then ``fully_shard(model)``:
+  each call makes one group (the last call adopts the earlier ones).
 
 The optimizer sees ``module.parameters()``: 1-D views into each rank's sharded segment,
-keyed by the original names, each carrying ``param.ragged_shard``.
+keyed by the original names, each carrying ``param.ragged_shard``. When groups unshard,
+reduce and reshard is ``runtime.py``'s business.
 """
 
 from __future__ import annotations
@@ -24,144 +22,18 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
-from torch.utils._pytree import tree_flatten, tree_map
 
 from lightning_ragged.dbuffer import CommStats, DBuffer
+from lightning_ragged.fsdp_module import make_fsdp_module
 from lightning_ragged.granularity import GranularityPolicy, resolve_granularity
-from lightning_ragged.grouping import GroupSpec, parameter_slots, plan_groups, split_into_buckets
+from lightning_ragged.grouping import GroupSpec, ParamGroupPlan, parameter_slots, plan_groups, split_into_buckets
 from lightning_ragged.planning import TensorSpec, plan
+from lightning_ragged.runtime import RaggedFSDPState
 from lightning_ragged.shard_group import ShardGroup
 
 DEFAULT_DBUFFER_SIZE = 256 * 2**20
-
-
-class RaggedFSDPState:
-    """Schedules the groups of one sharded model: hooks, prefetch, reductions, accumulation."""
-
-    def __init__(
-        self,
-        root: nn.Module,
-        groups: list[ShardGroup],
-        root_group: ShardGroup,
-        mp_policy: MixedPrecisionPolicy | None,
-        stats: CommStats,
-    ) -> None:
-        self.root = root
-        self.groups = groups
-        self.root_group = root_group
-        self.mp_policy = mp_policy
-        self.stats = stats
-        self.requires_gradient_sync = True
-        self.forward_order: list[ShardGroup] = []
-        self._in_backward = False
-        self._in_flight: list[DBuffer] = []
-
-    @property
-    def all_groups(self) -> list[ShardGroup]:
-        return [*self.groups, self.root_group]
-
-    def buckets(self) -> Iterator[DBuffer]:
-        for group in self.all_groups:
-            yield from group.buckets
-
-    # ----------------------------------------------------------------- forward
-    def pre_forward(self, group: ShardGroup, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        if not group.is_root and group not in self.forward_order:
-            self.forward_order.append(group)
-        first_use = not group.is_unsharded  # the root group is triggered by every module holding it
-        group.use_unsharded()
-        if not self._in_backward and (first_use or not group.is_root):
-            for bucket in group.buckets:
-                bucket.release_unused_sharded_grad()
-            self._prefetch(group, forward=True)
-        return self._cast_inputs(args, kwargs)
-
-    def post_forward(self, group: ShardGroup, output: Any) -> None:
-        if torch.is_grad_enabled():
-            self.hook_backward(group, output)
-        if self._in_backward:
-            return  # a recomputation (activation checkpointing) inside backward
-        if group.reshard_after_forward or not torch.is_grad_enabled():
-            group.reshard()
-
-    def hook_backward(self, group: ShardGroup, output: Any) -> None:
-        tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
-        if tensors:
-            torch.autograd.graph.register_multi_grad_hook(tensors, lambda _: self.pre_backward(group), mode="any")
-
-    def _prefetch(self, group: ShardGroup, forward: bool) -> None:
-        """Start the all-gather of the group expected to run after ``group`` (forward or backward).
-
-        The root group runs first in forward and its head first in backward, so it
-        prefetches the first block in forward and the last block in backward.
-        """
-        order = self.forward_order
-        if not order:
-            return
-        if group.is_root:
-            target = order[0] if forward else order[-1]
-        elif group in order:
-            index = order.index(group) + (1 if forward else -1)
-            target = order[index] if 0 <= index < len(order) else None
-        else:
-            target = None
-        if target is not None and not target.backward_prepared:
-            target.unshard(async_op=True)
-
-    def _cast_inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        policy = self.mp_policy
-        if policy is None or policy.param_dtype is None or not policy.cast_forward_inputs:
-            return args, kwargs
-
-        def cast(value: Any) -> Any:
-            if isinstance(value, torch.Tensor) and value.is_floating_point():
-                return value.to(policy.param_dtype)
-            return value
-
-        return tree_map(cast, args), tree_map(cast, kwargs)
-
-    # ---------------------------------------------------------------- backward
-    def pre_backward(self, group: ShardGroup) -> None:
-        if not self._in_backward:
-            self._in_backward = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
-        if group.backward_prepared:
-            return  # already prepared by an earlier output hook of this backward
-        group.prepare_backward()
-        self._prefetch(group, forward=False)
-
-    def grad_accumulated(self, group: ShardGroup, bucket: DBuffer, name: str, param: torch.Tensor) -> None:
-        if group.mark_grad_accumulated(bucket, name, param):
-            if self.requires_gradient_sync:
-                self._reduce(bucket)
-            group.reshard(only=bucket)
-
-    def _reduce(self, bucket: DBuffer) -> None:
-        """Issue one DBuffer's asynchronous reduction, finishing the previous ones first (at most one in flight)."""
-        self._finish_in_flight()
-        bucket.reduce_grad(async_op=True)
-        self._in_flight.append(bucket)
-
-    def _finish_in_flight(self) -> None:
-        for bucket in self._in_flight:
-            bucket.finish_reduce()
-        self._in_flight.clear()
-
-    def _end_of_backward(self) -> None:
-        if self.requires_gradient_sync:  # buffers with unused parameters never reported ready
-            for bucket in self.buckets():
-                if bucket.has_unsharded_grad and not bucket.reduce_pending:
-                    self._reduce(bucket)
-        self._finish_in_flight()
-        for group in self.all_groups:
-            group.end_backward()
-        self._in_backward = False
-
-    # ------------------------------------------------------------------ public
-    def reshard(self) -> None:
-        """Free every unsharded buffer (e.g. after an evaluation forward that had no backward)."""
-        for group in self.all_groups:
-            group.reshard()
+VIEW_ALIGNMENT_BYTES = 16
+"""Default start alignment of every parameter view in a DBuffer (vectorized and fp8 kernels want 16 bytes)."""
 
 
 def fully_shard(
@@ -172,43 +44,80 @@ def fully_shard(
     block_rows: int = 128,
     dbuffer_size: int = DEFAULT_DBUFFER_SIZE,
     planning_algorithm: str = "optimal",
-    reshard_after_forward: bool = True,
+    reshard_after_forward: bool | int = True,
     mp_policy: MixedPrecisionPolicy | None = None,
     group_modules: Sequence[GroupSpec] | None = None,
     replicate_group: dist.ProcessGroup | None = None,
     reduce_mode: str | None = None,
-    alignment: int = 1,
+    alignment: int | None = None,
     device: torch.device | str | None = None,
 ) -> nn.Module:
     """Shard ``module``'s parameters over ``process_group`` with ragged, structure-aware shards.
 
-    Works in place and returns ``module``. Every rank must hold the same initial
-    parameters (same seed). ``replicate_group`` (HSDP) additionally averages the
-    sharded gradients across replicas. ``reduce_mode`` overrides the per-backend
-    choice ("all_reduce" on gloo, "reduce_scatter" elsewhere). ``device`` places the
-    buffers (required for a model on the meta device, whose shards start uninitialized).
+    Works in place and returns ``module`` (its class becomes a subclass of
+    :class:`~lightning_ragged.fsdp_module.FSDPModule`, as with FSDP2). Without a seed shared
+    by all ranks the ranks' initial parameters differ: shard a model built identically.
+    ``reshard_after_forward``: True frees full parameters after forward, False keeps them
+    for backward, an int ``n`` keeps 1/n of them so backward re-gathers inside groups of
+    ``n`` consecutive ranks (e.g. a node). ``replicate_group`` (HSDP) additionally averages
+    the sharded gradients across replicas. ``reduce_mode`` overrides the per-backend choice
+    ("all_reduce" on gloo, "reduce_scatter" elsewhere). ``alignment``: every parameter
+    view starts at a multiple of this many elements (default: 16 bytes). ``device`` places
+    the buffers (required for a model on the meta device, whose shards start uninitialized).
     """
-    if getattr(module, "_ragged_fsdp_state", None) is not None:
-        raise ValueError(f"{type(module).__name__} is already sharded by lightning_ragged.fully_shard")
+    existing = module.__dict__.get("_ragged_fsdp_state")
+    if existing is not None:
+        where = "it is" if existing.root is module else f"it is inside {type(existing.root).__name__}, which is"
+        raise ValueError(
+            f"{type(module).__name__} cannot be sharded: {where} already sharded by lightning_ragged.fully_shard. "
+            "Shard blocks first, then their parent (the FSDP2 order)"
+        )
     if not dist.is_initialized():
         raise RuntimeError("fully_shard needs torch.distributed initialized (e.g. dist.init_process_group('gloo'))")
     world_size = dist.get_world_size(process_group)
+    reshard_after_forward = _check_reshard_after_forward(reshard_after_forward, world_size)
+    children = _child_states(module)
+    if children and group_modules is not None:
+        raise ValueError(
+            "group_modules cannot be combined with blocks sharded by earlier fully_shard calls: "
+            "either shard the blocks yourself (FSDP2 pattern) or let one call group them"
+        )
     stats = CommStats()
-    group_plans = plan_groups(module, group_modules, dbuffer_size)
+    adopted: list[ShardGroup] = []
+    for child in children:
+        for handle in child.handles:
+            handle.remove()
+        for group in child.all_groups:
+            group.is_root = False
+            for bucket in group.buckets:
+                bucket.stats = stats
+        adopted += child.all_groups
+    taken = {id(p) for group in adopted for _b, _n, p in _group_params(group)}
+    if children:
+        own = ParamGroupPlan("root", module)
+        for index, (name, param) in enumerate(module.named_parameters()):
+            if id(param) not in taken:
+                own.add(index, name, param)
+        group_plans = [own]
+    else:
+        group_plans = plan_groups(module, group_modules, dbuffer_size)
+
     param_dtype = mp_policy.param_dtype if mp_policy is not None else None
     reduce_dtype = mp_policy.reduce_dtype if mp_policy is not None else None
-
     slots_by_param = parameter_slots(module)
+    partial_group = _partial_group(process_group, reshard_after_forward)
 
-    shard_groups = []
+    new_groups = []
     for group_plan in group_plans:
         buckets, slots = [], []
-        for bucket_params in (b for run in group_plan.runs for b in split_into_buckets(run, dbuffer_size)):
+        for bucket_params in _bucket_params(group_plan, dbuffer_size):
+            first = bucket_params[0][1]
+            unit = alignment or max(1, VIEW_ALIGNMENT_BYTES // _smallest_element(first.dtype, param_dtype))
             specs = [
                 TensorSpec(name, param.numel(), resolve_granularity(shard_granularity, name, param, block_rows))
                 for name, param in bucket_params
             ]
-            layout = plan(specs, world_size, algorithm=planning_algorithm, alignment=alignment)
+            layout = plan(specs, world_size, algorithm=planning_algorithm, alignment=unit)
             bucket = DBuffer(
                 layout,
                 bucket_params,
@@ -220,64 +129,172 @@ def fully_shard(
                 stats=stats,
                 device=device,
             )
+            if partial_group is not None:
+                bucket.set_partial_group(partial_group, reshard_after_forward)
             buckets.append(bucket)
             for name, param in bucket_params:
                 slots += [(owner, attr, bucket, name) for _, owner, attr in slots_by_param[id(param)]]
-        shard_groups.append(ShardGroup(group_plan.name, group_plan.module, buckets, slots, reshard_after_forward))
+        is_root = group_plan.module is None or group_plan.module is module
+        group = ShardGroup(
+            group_plan.name, group_plan.module or module, buckets, slots, reshard_after_forward, is_root=is_root
+        )
+        group.mp_policy = mp_policy
+        new_groups.append(group)
 
-    *groups, root_group = shard_groups
-    state = RaggedFSDPState(module, groups, root_group, mp_policy, stats)
-    for group in shard_groups:
+    state = RaggedFSDPState(module, _in_module_order(module, adopted + new_groups), stats)
+    for group in new_groups:
         group.reshard()
-        _install_group_hooks(state, group, module)
-    module._ragged_fsdp_state = state
+    _install_hooks(state)
+    for group in state.all_groups:
+        make_fsdp_module(group.module)
+    make_fsdp_module(module)
+    for submodule in module.modules():
+        submodule.__dict__["_ragged_fsdp_state"] = state
     return module
 
 
-def _install_group_hooks(state: RaggedFSDPState, group: ShardGroup, root: nn.Module) -> None:
-    """Forward hooks on the modules that trigger the group; grad hooks on its full parameters."""
+def _check_reshard_after_forward(value: Any, world_size: int) -> bool | int:
+    """A bool, or an int dividing the world (1 means False: keep all; the world size means True)."""
+    if isinstance(value, bool):
+        return value
+    if not isinstance(value, int) or value < 1 or world_size % value:
+        raise ValueError(
+            f"reshard_after_forward={value!r} must be a bool or an int that divides the shard group's "
+            f"{world_size} ranks (e.g. the GPUs of one node)"
+        )
+    return False if value == 1 else True if value == world_size else value
 
-    def pre_hook(_module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        return state.pre_forward(group, args, kwargs)
 
-    def post_hook(_module: nn.Module, _args: tuple, output: Any) -> None:
-        state.post_forward(group, output)
+def _child_states(module: nn.Module) -> list[RaggedFSDPState]:
+    """States of earlier ``fully_shard`` calls on descendants (the FSDP2 pattern), in module order."""
+    states = []
+    for submodule in module.modules():
+        state = submodule.__dict__.get("_ragged_fsdp_state")
+        if state is not None and state.root is submodule and state not in states:
+            states.append(state)
+    return states
 
-    if group.is_root:
-        # The root group has no module of its own: any module holding one of its parameters
-        # (or the root's forward) unshards it; the root's forward end reshards it under no_grad.
-        owners = list({id(m): m for m in [root, *(owner for owner, *_ in group.slots)]}.values())
-        for owner in owners:
-            owner.register_forward_pre_hook(pre_hook, with_kwargs=True)
-            if owner is not root:
-                owner.register_forward_hook(lambda _m, _a, output: state.hook_backward(group, output))
-        root.register_forward_hook(post_hook)
-    else:
-        group.module.register_forward_pre_hook(pre_hook, with_kwargs=True)
-        group.module.register_forward_hook(post_hook)
-    for bucket, name, param in group.unsharded_params():
-        if param.requires_grad:
-            param.register_post_accumulate_grad_hook(
-                lambda p, b=bucket, n=name: state.grad_accumulated(group, b, n, p)
-            )
+
+def _group_params(group: ShardGroup) -> Iterator[tuple[DBuffer, str, nn.Parameter]]:
+    for bucket in group.buckets:
+        for name in bucket.sharded_params:
+            yield bucket, name, bucket.sharded_params[name]
+            yield bucket, name, bucket.unsharded_params[name]
+
+
+def _in_module_order(root: nn.Module, groups: list[ShardGroup]) -> list[ShardGroup]:
+    """Block groups in module order, the root's group last."""
+    position = {id(m): index for index, m in enumerate(root.modules())}
+    return sorted(groups, key=lambda g: (g.is_root, position.get(id(g.module), 0)))
+
+
+def _bucket_params(group_plan: ParamGroupPlan, dbuffer_size: int) -> Iterator[list[tuple[str, nn.Parameter]]]:
+    """DBuffers of one group: per run, trainable and frozen parameters apart, each split by size.
+
+    Frozen parameters get DBuffers of their own, which never allocate a gradient buffer
+    nor join a reduction.
+    """
+    for run in group_plan.runs:
+        for trainable in (True, False):
+            params = [(name, p) for name, p in run if p.requires_grad == trainable]
+            if params:
+                yield from split_into_buckets(params, dbuffer_size)
+
+
+def _smallest_element(*dtypes: torch.dtype | None) -> int:
+    return min(torch.empty((), dtype=d).element_size() for d in dtypes if d is not None)
+
+
+_PARTIAL_GROUPS: dict[tuple[tuple[int, ...], int], dist.ProcessGroup] = {}
+
+
+def _partial_group(process_group: dist.ProcessGroup | None, size: bool | int) -> dist.ProcessGroup | None:
+    """For ``reshard_after_forward=size``: this rank's group of ``size`` consecutive shard ranks.
+
+    ``new_group`` is collective over the world, so every rank learns every shard group's
+    ranks and creates all the subgroups in the same order (cached per layout).
+    """
+    world = dist.get_world_size(process_group)
+    if isinstance(size, bool) or size in (1, world):
+        return None
+    mine = tuple(dist.get_process_group_ranks(process_group or dist.group.WORLD))
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    for ranks in sorted(set(everyone)):
+        for start in range(0, len(ranks), size):
+            chunk = ranks[start : start + size]
+            if (chunk, size) not in _PARTIAL_GROUPS:
+                _PARTIAL_GROUPS[(chunk, size)] = dist.new_group(list(chunk))
+    position = mine.index(dist.get_rank())
+    return _PARTIAL_GROUPS[(mine[position - position % size : position - position % size + size], size)]
+
+
+def _install_hooks(state: RaggedFSDPState) -> None:
+    """Forward hooks on the modules that trigger each group; gradient hooks on its trainable full parameters.
+
+    The root's pre-hook starts every step; the root group is also unsharded by any module
+    that uses one of its parameters (an embedding called on its own, a tied head).
+    """
+    root = state.root
+    root_group = next((g for g in state.all_groups if g.is_root), None)
+
+    def root_pre_hook(_module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        state.root_pre_forward()
+        if root_group is not None:
+            return state.pre_forward(root_group, args, kwargs)
+        return args, kwargs
+
+    def root_post_hook(_module: nn.Module, _args: tuple, output: Any) -> None:
+        if root_group is not None:
+            state.post_forward(root_group, output)
+        state.root_post_forward()
+
+    handles = state.handles
+    handles.append(root.register_forward_pre_hook(_disabled(root_pre_hook), with_kwargs=True))
+    handles.append(root.register_forward_hook(_disabled(root_post_hook), always_call=True))
+    for group in state.all_groups:
+        if group.is_root:
+            owners = {id(owner): owner for owner, *_ in group.slots if owner is not root}
+            for owner in owners.values():
+                handles.append(owner.register_forward_pre_hook(
+                    _disabled(lambda _m, args, kwargs, g=group: state.pre_forward(g, args, kwargs)), with_kwargs=True
+                ))
+                handles.append(owner.register_forward_hook(
+                    _disabled(lambda _m, _a, output, g=group: state.hook_backward(g, output))
+                ))
+        else:
+            handles.append(group.module.register_forward_pre_hook(
+                _disabled(lambda _m, args, kwargs, g=group: state.pre_forward(g, args, kwargs)), with_kwargs=True
+            ))
+            handles.append(group.module.register_forward_hook(
+                _disabled(lambda _m, _a, output, g=group: state.post_forward(g, output))
+            ))
+        for bucket, name, param in group.unsharded_params():
+            if param.requires_grad:
+                state.hook_grad(bucket, name, param)
+
+
+def _disabled(hook: Any) -> Any:
+    """Keep an engine hook out of ``torch.compile``'s graphs (it allocates, frees and issues collectives)."""
+    return torch.compiler.disable(hook, recursive=True)
 
 
 def get_state(module: nn.Module) -> RaggedFSDPState:
-    """The engine state ``fully_shard`` attached to ``module``."""
-    state = getattr(module, "_ragged_fsdp_state", None)
+    """The engine state of a sharded model; any of its submodules finds it too."""
+    state = module.__dict__.get("_ragged_fsdp_state")
     if state is None:
         raise ValueError(f"{type(module).__name__} is not sharded; call lightning_ragged.fully_shard(module) first")
     return state
 
 
 def set_requires_gradient_sync(module: nn.Module, requires_gradient_sync: bool) -> None:
-    """Turn the gradient reduction off (accumulate unsharded gradients locally) or back on."""
+    """Turn the gradient reduction off (accumulate gradients locally, in the reduce dtype) or back on."""
     get_state(module).requires_gradient_sync = requires_gradient_sync
 
 
 @contextlib.contextmanager
 def no_sync(module: nn.Module) -> Iterator[None]:
-    """Backward passes inside accumulate into the unsharded gradient buffers with no collective."""
+    """Backward passes inside accumulate gradients locally (in the reduce dtype) with no collective."""
     state = get_state(module)
     previous = state.requires_gradient_sync
     state.requires_gradient_sync = False
@@ -288,15 +305,23 @@ def no_sync(module: nn.Module) -> Iterator[None]:
 
 
 def _sharded_keys(module: nn.Module) -> dict[str, tuple[DBuffer, str]]:
-    """State-dict key of every sharded parameter -> (its DBuffer, its name in the DBuffer)."""
-    by_id = {id(p): (bucket, name) for bucket in get_state(module).buckets() for name, p in bucket.sharded_params.items()}
+    """State-dict key (relative to ``module``) of every sharded parameter -> (its DBuffer, its name there).
+
+    Holds at rest (modules point at shards) and inside a step (at full parameters).
+    """
+    by_id = {}
+    for bucket in get_state(module).buckets():
+        for name in bucket.sharded_params:
+            by_id[id(bucket.sharded_params[name])] = by_id[id(bucket.unsharded_params[name])] = (bucket, name)
     return {key: by_id[id(p)] for key, p in module.named_parameters(remove_duplicate=False) if id(p) in by_id}
 
 
 def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
-    """Full, original-shape tensors for every state-dict key, on every rank (collective)."""
+    """Full, original-shape tensors for every state-dict key of ``module`` (the sharded model or any
+    submodule of it, keys relative to it), on every rank. Collective: every rank calls it."""
     keys = _sharded_keys(module)
-    gathered = {id(bucket): bucket.gather_full() for bucket in get_state(module).buckets()}
+    needed = {id(bucket) for bucket, _ in keys.values()}
+    gathered = {id(b): b.gather_full() for b in get_state(module).buckets() if id(b) in needed}
     result = {}
     for key, value in module.state_dict().items():
         if key in keys:
@@ -307,7 +332,7 @@ def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def load_full_state_dict(module: nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
-    """Copy this rank's pieces of full tensors (keys as in ``full_state_dict``) into the shards."""
+    """Copy this rank's pieces of full tensors (keys as in ``full_state_dict`` of the same module) into the shards."""
     per_bucket: dict[int, tuple[DBuffer, dict[str, torch.Tensor]]] = {}
     for key, (bucket, name) in _sharded_keys(module).items():
         per_bucket.setdefault(id(bucket), (bucket, {}))[1][name] = state_dict[key]

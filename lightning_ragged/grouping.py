@@ -1,13 +1,16 @@
 """Which parameters form one FSDP group, and how a group splits into DBuffers.
 
-A group is unsharded as a whole right before its module runs. By default every child
-of the model's largest ``nn.ModuleList`` (the transformer blocks) is a group; without
-one, modules are picked by size so that no group exceeds ``dbuffer_size``. Whatever
-is left (embeddings, final norm, head, tied weights) forms the root group.
+A group is unsharded as a whole right before its module runs. By default every block of
+every stack is a group: the children of each ``nn.ModuleList``/``nn.Sequential`` that are
+modules of modules (an encoder's and a decoder's layers, a vision tower beside an LM, a
+UNet's down and up blocks), and a block class repeated among siblings. Without any,
+modules are picked by size so that no group exceeds ``dbuffer_size``. Whatever is left
+(embeddings, final norm, head, tied weights) forms the root group.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence, Type, Union
 
@@ -64,11 +67,47 @@ def choose_group_modules(
         classes = tuple(spec for spec in group_modules if isinstance(spec, type))
         instances = {id(spec) for spec in group_modules if isinstance(spec, nn.Module)}
         return [(name, m) for name, m in named if isinstance(m, classes) or id(m) in instances]
-    module_lists = [(name, m) for name, m in named if isinstance(m, nn.ModuleList) and len(m) > 0]
-    if module_lists:
-        list_name, largest = max(module_lists, key=lambda item: _param_bytes(item[1].parameters()))
-        return [(f"{list_name}.{index}", child) for index, child in enumerate(largest) if _has_params(child)]
-    return _size_groups(root, dbuffer_size)
+    blocks = stack_blocks(root)
+    return blocks if blocks else _size_groups(root, dbuffer_size)
+
+
+def stack_blocks(root: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Every block of every stack, outermost stacks first, in module order.
+
+    A block is a child with parameters and children of its own that sits in an
+    ``nn.ModuleList``/``nn.Sequential``, or whose class repeats among its siblings while
+    holding no such container (T5's encoder and decoder are two ``T5Stack``s: their
+    layers are the blocks, not the stacks). Blocks are not searched further (a MoE
+    block's experts stay in the block).
+    """
+    chosen: list[tuple[str, nn.Module]] = []
+
+    def visit(prefix: str, module: nn.Module) -> None:
+        children = [(name, child) for name, child in module.named_children() if _has_params(child)]
+        composite = [child for _, child in children if _is_composite(child)]
+        container = isinstance(module, (nn.ModuleList, nn.Sequential))
+        repeats = Counter(type(child) for child in composite)
+        for name, child in children:
+            full = f"{prefix}{name}"
+            repeated = repeats[type(child)] > 1 and not _holds_stack(child)
+            if _is_composite(child) and (container or repeated):
+                chosen.append((full, child))
+            else:
+                visit(f"{full}.", child)
+
+    visit("", root)
+    return chosen
+
+
+def _is_composite(module: nn.Module) -> bool:
+    return any(True for _ in module.children())
+
+
+def _holds_stack(module: nn.Module) -> bool:
+    return any(
+        isinstance(m, (nn.ModuleList, nn.Sequential)) and any(_is_composite(c) for c in m.children())
+        for m in module.modules()
+    )
 
 
 def _size_groups(root: nn.Module, dbuffer_size: int) -> list[tuple[str, nn.Module]]:

@@ -2,46 +2,59 @@
 
 It knows how to unshard/reshard its buffers, swap the module attributes between the
 sharded parameters (what the optimizer and ``named_parameters`` see at rest) and the
-unsharded ones (what forward and backward compute with), and when its gradients are
-complete. Scheduling across groups (prefetch, reduction order) lives in ``fsdp.py``.
+unsharded ones (what forward and backward compute with), and where it is in a step:
+how many forward calls ran and how many of their backwards finished. Scheduling across
+groups (prefetch, reduction order) lives in ``runtime.py``.
 """
 
 from __future__ import annotations
 
 from typing import Callable, Iterator
 
-import torch
 from torch import nn
 
 from lightning_ragged.dbuffer import DBuffer
 
 
 class ShardGroup:
-    """One group: DBuffers plus every (module, attribute) slot that holds one of its parameters."""
+    """One group: DBuffers plus every (module, attribute) slot that holds one of its parameters.
+
+    ``module`` runs the group (its forward unshards it). The root group of an automatic
+    ``fully_shard`` has ``is_root`` set: it holds what no block holds (embeddings, head,
+    tied weights) and is unsharded by any module that uses one of its parameters.
+    """
 
     def __init__(
         self,
         name: str,
-        module: nn.Module | None,
+        module: nn.Module,
         buckets: list[DBuffer],
         slots: list[tuple[nn.Module, str, DBuffer, str]],
-        reshard_after_forward: bool,
+        reshard_after_forward: bool | int,
+        is_root: bool = False,
     ) -> None:
         self.name = name
         self.module = module
         self.buckets = buckets
         self.slots = slots
-        self.reshard_after_forward = reshard_after_forward and module is not None
-        self._awaiting_grads: dict[DBuffer, set[int]] = {}
+        self.is_root = is_root
+        self.reshard_after_forward: bool | int = reshard_after_forward
+        self.reshard_after_backward = True
+        self.forward_prefetch: list[ShardGroup] | None = None
+        """Groups to all-gather when this one's forward starts (None: the recorded order)."""
+        self.backward_prefetch: list[ShardGroup] | None = None
+        self.mp_policy = None
+        self.forward_calls = 0
+        """Forward calls of this step whose backward has not finished yet."""
         self.backward_prepared = False
-
-    @property
-    def is_root(self) -> bool:
-        return self.module is None
 
     @property
     def is_unsharded(self) -> bool:
         return all(bucket.is_unsharded for bucket in self.buckets)
+
+    @property
+    def trainable(self) -> bool:
+        return any(bucket.trainable for bucket in self.buckets)
 
     def unsharded_params(self) -> Iterator[tuple[DBuffer, str, nn.Parameter]]:
         for bucket in self.buckets:
@@ -63,44 +76,47 @@ class ShardGroup:
         self.wait_unshard()
         self._swap(lambda bucket, name: bucket.unsharded_params[name])
 
-    def reshard(self, only: DBuffer | None = None) -> None:
-        """Free the full parameters (of every bucket, or ``only`` one) and point the modules back at the shards."""
-        for bucket in self.buckets if only is None else [only]:
+    def reshard(self) -> None:
+        """Free the full parameters and point the modules back at the shards."""
+        for bucket in self.buckets:
             bucket.reshard()
-        self._swap(lambda bucket, name: bucket.sharded_params[name], only)
+        self.use_sharded()
 
-    def _swap(self, pick: Callable[[DBuffer, str], nn.Parameter], only: DBuffer | None = None) -> None:
+    def reshard_after_forward_step(self) -> None:
+        """After forward: free everything, keep a 1/int part (``reshard_after_forward=int``), or keep all."""
+        if self.reshard_after_forward is False:
+            return
+        if self.reshard_after_forward is True:
+            self.reshard()
+            return
+        for bucket in self.buckets:
+            bucket.reshard_to_partial()
+        self.use_sharded()
+
+    def use_sharded(self) -> None:
+        self._swap(lambda bucket, name: bucket.sharded_params[name])
+
+    def _swap(self, pick: Callable[[DBuffer, str], nn.Parameter]) -> None:
         for module, attr, bucket, name in self.slots:
-            if only is None or bucket is only:
-                module._parameters[attr] = pick(bucket, name)
+            module._parameters[attr] = pick(bucket, name)
 
     # ------------------------------------------------------------- gradients
     def prepare_backward(self) -> None:
-        """Unshard for backward, attach gradient buffers and start waiting for every gradient."""
+        """Unshard for backward, attach gradient buffers (trainable DBuffers only), start counting gradients."""
         self.use_unsharded()
         for bucket in self.buckets:
             bucket.prepare_unsharded_grad()
-        self._awaiting_grads = {
-            bucket: {id(p) for p in bucket.unsharded_params.values() if p.requires_grad} for bucket in self.buckets
-        }
+            bucket.begin_backward()
         self.backward_prepared = True
 
     def end_backward(self) -> None:
-        """Free the full parameters and forget this backward's bookkeeping."""
-        self.reshard()
-        self._awaiting_grads = {}
+        """Forget this backward's bookkeeping (after the reductions were issued)."""
+        self.forward_calls = 0
         self.backward_prepared = False
 
-    def mark_grad_accumulated(self, bucket: DBuffer, name: str, param: torch.Tensor) -> bool:
-        """Record one parameter's finished gradient; True when the last one of its DBuffer arrives.
-
-        Readiness is per DBuffer, so a group split into several buffers (e.g. the root's
-        head and its embeddings) reduces each as soon as that buffer's gradients are done.
-        """
-        if not bucket.owns_unsharded_grad(name):
-            bucket.adopt_unsharded_grad(name)
-        awaiting = self._awaiting_grads.get(bucket)
-        if not awaiting or id(param) not in awaiting:
-            return False
-        awaiting.discard(id(param))
-        return not awaiting
+    def reset(self) -> None:
+        """Drop a failed step: finish issued collectives, free full and gradient buffers, point at shards."""
+        for bucket in self.buckets:
+            bucket.reset()
+        self.use_sharded()
+        self.end_backward()

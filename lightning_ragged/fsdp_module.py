@@ -1,0 +1,125 @@
+"""``FSDPModule``: the methods torch's FSDP2 gives a sharded module, on ours.
+
+``fully_shard`` changes the class of the module it shards (and of every group's module)
+to a subclass of the original class and this mixin, as torch's ``fully_shard`` does, so
+loops written for FSDP2 (``model.set_requires_gradient_sync(False)``, ``block.unshard()``)
+run unchanged. ``isinstance(module, OriginalClass)`` still holds.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable
+
+import torch
+from torch import nn
+
+_CLASSES: dict[type, type] = {}
+
+
+class FSDPModule:
+    """Mixin of every module ``lightning_ragged.fully_shard`` sharded or made a group of."""
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        # A container re-building itself (``nn.Sequential[1:]`` calls ``self.__class__(...)``)
+        # gets the original class: the new module holds no group of its own.
+        original = cls.__mro__[2]
+        module = original.__new__(original)
+        module.__init__(*args, **kwargs)
+        return module
+
+    def _ragged_own_groups(self) -> list:
+        state = self._ragged_fsdp_state
+        return [group for group in state.all_groups if group.module is self]
+
+    def _ragged_nested_groups(self) -> list:
+        inside = {id(m) for m in self.modules()}
+        return [group for group in self._ragged_fsdp_state.all_groups if id(group.module) in inside]
+
+    def unshard(self, async_op: bool = False) -> Any:
+        """All-gather this module's own group (not the nested ones, as FSDP2) and point it at the full parameters.
+
+        With ``async_op=True`` returns a handle; ``handle.wait()`` finishes the all-gather.
+        """
+        groups = self._ragged_own_groups()
+        handle = self._ragged_fsdp_state.unshard(groups, async_op=async_op)
+        if not async_op:
+            for group in groups:
+                group.use_unsharded()
+            return None
+        return handle
+
+    def reshard(self) -> None:
+        """Free this module's own full parameters and point it back at the shards."""
+        self._ragged_fsdp_state.reshard(self._ragged_own_groups())
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+        """Reduce gradients in the next backwards (True) or accumulate them locally with no collective.
+
+        The setting belongs to the whole sharded model (all groups reduce together).
+        """
+        self._ragged_fsdp_state.requires_gradient_sync = bool(requires_gradient_sync)
+
+    def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
+        """Keep the full parameters after backward (False), e.g. across accumulation micro-batches."""
+        for group in self._ragged_nested_groups() if recurse else self._ragged_own_groups():
+            group.reshard_after_backward = bool(reshard_after_backward)
+
+    def set_reshard_after_forward(self, reshard_after_forward: bool, *, recurse: bool = True) -> None:
+        """Free the full parameters after forward (True) or keep them for backward (False)."""
+        if not isinstance(reshard_after_forward, bool):
+            raise ValueError(
+                f"set_reshard_after_forward({reshard_after_forward!r}): pass a bool; an int (reshard to a "
+                "smaller group) needs its process groups made at fully_shard(..., reshard_after_forward=int)"
+            )
+        for group in self._ragged_nested_groups() if recurse else self._ragged_own_groups():
+            if not group.is_root:
+                group.reshard_after_forward = reshard_after_forward
+
+    def set_modules_to_forward_prefetch(self, modules: Iterable[nn.Module]) -> None:
+        """All-gather these sharded modules' groups as soon as this module's forward starts."""
+        self._set_prefetch("forward_prefetch", modules)
+
+    def set_modules_to_backward_prefetch(self, modules: Iterable[nn.Module]) -> None:
+        """All-gather these sharded modules' groups as soon as this module's backward starts."""
+        self._set_prefetch("backward_prefetch", modules)
+
+    def _set_prefetch(self, attribute: str, modules: Iterable[nn.Module]) -> None:
+        targets = []
+        for module in modules:
+            if not isinstance(module, FSDPModule) or module._ragged_fsdp_state is not self._ragged_fsdp_state:
+                raise ValueError(
+                    f"set_modules_to_{attribute.split('_')[0]}_prefetch: {type(module).__name__} is not a group of "
+                    "this sharded model; pass modules that fully_shard sharded (e.g. the other blocks)"
+                )
+            targets += module._ragged_own_groups()
+        for group in self._ragged_own_groups():
+            setattr(group, attribute, targets)
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Any:
+        # ``.to()``, ``.double()``, ``.half()``, ``.cuda()`` would give the module new tensors that
+        # the DBuffers know nothing of: refuse a real move or cast instead of silently unlinking.
+        state = self._ragged_fsdp_state
+        for bucket in state.buckets():
+            probe = torch.empty(0, dtype=bucket.master_dtype, device=bucket.device)
+            moved = fn(probe)
+            if moved.dtype != probe.dtype or moved.device != probe.device:
+                raise RuntimeError(
+                    f"{type(self).__name__} is sharded by lightning_ragged.fully_shard: moving or casting it "
+                    f"({bucket.master_dtype} on {bucket.device} -> {moved.dtype} on {moved.device}) would unlink "
+                    "its parameters from their DBuffers. Move/cast the model before fully_shard (or pass "
+                    "fully_shard(..., device=...)), and use mp_policy=MixedPrecisionPolicy(param_dtype=...) "
+                    "for a compute dtype"
+                )
+        return super()._apply(fn, recurse)
+
+
+def make_fsdp_module(module: nn.Module) -> None:
+    """Change ``module``'s class to ``RaggedFSDP<Class>`` (a subclass of its class and :class:`FSDPModule`)."""
+    cls = type(module)
+    if issubclass(cls, FSDPModule):
+        return
+    new_cls = _CLASSES.get(cls)
+    if new_cls is None:
+        new_cls = type(f"RaggedFSDP{cls.__name__}", (FSDPModule, cls), {"__module__": cls.__module__})
+        _CLASSES[cls] = new_cls
+    module.__class__ = new_cls

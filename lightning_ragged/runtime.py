@@ -1,0 +1,337 @@
+"""The runtime of one sharded model: when each group unshards, reduces and reshards.
+
+Per step (``reshard_after_forward=True``):
+
+root pre-forward   start the step: mirror ``requires_grad`` changes, recover from a step that
+                   raised, begin recording the forward order
+group pre-forward  all-gather the group (or wait for its prefetch), prefetch the next group,
+                   and put an autograd node on the module's inputs whose backward runs when
+                   the module's whole backward is done (its *post-backward*)
+group post-forward free the full parameters (or keep 1/int of them); hook the outputs
+pre-backward       (first gradient reaching an output) all-gather again, attach the flat
+                   gradient buffers of trainable DBuffers, prefetch the group that ran before
+post-backward      reduce the group's trainable DBuffers (at most one reduction in flight),
+                   then free its full parameters: frozen weights stay available until the
+                   module's input gradient is computed
+end of backward    groups without a post-backward (inputs needing no gradient, the root) are
+                   finished; one small all-reduce of "which parameters got a gradient" keeps
+                   ``grad is None`` for parameters no rank used (DDP's semantics)
+
+Collectives must be issued in the same order on every rank: as with FSDP2 and DDP, every
+rank runs the same modules (a parameter may be unused on some ranks; a whole group may not).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+
+from lightning_ragged.dbuffer import CommStats, DBuffer
+from lightning_ragged.shard_group import ShardGroup
+
+
+class RaggedFSDPState:
+    """Schedules the groups of one sharded model: hooks, prefetch, reductions, accumulation."""
+
+    def __init__(self, root: nn.Module, groups: list[ShardGroup], stats: CommStats) -> None:
+        self.root = root
+        self.all_groups = groups
+        self.stats = stats
+        self.requires_gradient_sync = True
+        self.forward_order: list[ShardGroup] = []
+        """Groups in the order the current (or last) forward ran them."""
+        self._previous_order: list[ShardGroup] = []
+        self._root_depth = 0
+        self._in_backward = False
+        self._in_flight: list[DBuffer] = []
+        self._reduced: list[DBuffer] = []
+        self._hooked: set[int] = set()
+        self.handles: list[Any] = []
+        """Hook handles, removed when a parent ``fully_shard`` call adopts these groups."""
+
+    @property
+    def groups(self) -> list[ShardGroup]:
+        """The block groups (every group but the root's)."""
+        return [group for group in self.all_groups if not group.is_root]
+
+    @property
+    def root_group(self) -> ShardGroup:
+        return next(group for group in reversed(self.all_groups) if group.is_root)
+
+    @property
+    def root_fraction(self) -> float:
+        """Share of the parameters (elements) that sit in the root group, which is never resharded after forward."""
+        def numel(groups: list[ShardGroup]) -> int:
+            return sum(spec.numel for g in groups for b in g.buckets for spec in b.layout.specs.values())
+
+        total = numel(self.all_groups)
+        return numel([g for g in self.all_groups if g.is_root]) / total if total else 0.0
+
+    def buckets(self) -> Iterator[DBuffer]:
+        for group in self.all_groups:
+            yield from group.buckets
+
+    # ------------------------------------------------------------------- step
+    def root_pre_forward(self) -> None:
+        """The root's forward starts; the outermost call (not a nested ``self(x)`` in a
+        LightningModule's ``training_step``) starts a step."""
+        if _autograd_running():
+            return  # a recomputation (activation checkpointing) inside backward
+        self._root_depth += 1
+        if self._root_depth == 1:
+            self._begin_step()
+
+    def root_post_forward(self) -> None:
+        """The root's forward ended (also when it raised: the hook runs ``always_call``)."""
+        if _autograd_running():
+            return
+        self._root_depth = max(0, self._root_depth - 1)
+        if self._root_depth == 0 and not torch.is_grad_enabled():  # evaluation: no backward will follow
+            for group in self.all_groups:
+                if group.reshard_after_backward:
+                    group.reshard()
+
+    def _begin_step(self) -> None:
+        """Recover from a backward that raised, release what a backward-less forward kept,
+        mirror ``requires_grad`` changes, restart the recorded forward order."""
+        if self._in_backward:
+            self.recover()
+        for group in self.all_groups:
+            if group.forward_calls:  # the last forward recorded a graph (or raised) but no backward ran
+                if group.reshard_after_backward:
+                    group.reshard()
+                group.end_backward()
+        self._previous_order, self.forward_order = self.forward_order or self._previous_order, []
+        for bucket in self.buckets():
+            for name, param in bucket.sync_requires_grad():
+                self.hook_grad(bucket, name, param)
+
+    def recover(self) -> None:
+        """The last forward or backward raised: free what it allocated; the next step trains exactly.
+
+        Gradients not yet reduced are dropped with their buffers (call ``optimizer.zero_grad()``
+        before retrying, as after any failed step).
+        """
+        for group in self.all_groups:
+            group.reset()
+        self._in_flight.clear()
+        self._reduced.clear()
+        self._in_backward = False
+
+    def hook_grad(self, bucket: DBuffer, name: str, param: nn.Parameter) -> None:
+        """Tell the runtime when autograd finished ``param``'s gradient (once per parameter)."""
+        if id(param) in self._hooked:
+            return
+        self._hooked.add(id(param))
+        group = next(g for g in self.all_groups if bucket in g.buckets)
+        self.handles.append(param.register_post_accumulate_grad_hook(lambda _p: self.grad_arrived(group, bucket, name)))
+
+    # ---------------------------------------------------------------- forward
+    def pre_forward(self, group: ShardGroup, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if not self._in_backward:
+            if group.is_root and group.is_unsharded and group.forward_calls:
+                return self._cast_inputs(group, args, kwargs)  # another module using a root parameter
+            if not group.is_root and group not in self.forward_order:
+                self.forward_order.append(group)
+            for bucket in group.buckets:
+                bucket.release_unused_sharded_grad()
+        group.use_unsharded()
+        if self._in_backward:  # a recomputation (activation checkpointing) inside backward
+            return self._cast_inputs(group, args, kwargs)
+        self._prefetch(group, forward=True)
+        args, kwargs = self._cast_inputs(group, args, kwargs)
+        if torch.is_grad_enabled():
+            group.forward_calls += 1
+            if not group.is_root:
+                args, kwargs = self._register_post_backward(group, args, kwargs)
+        return args, kwargs
+
+    def post_forward(self, group: ShardGroup, output: Any) -> None:
+        if torch.is_grad_enabled():
+            self.hook_backward(group, output)
+        if self._in_backward or group.is_root:
+            return  # the root stays unsharded for its backward; a recomputation for its backward
+        if not torch.is_grad_enabled():
+            group.reshard()
+        else:
+            group.reshard_after_forward_step()
+
+    def hook_backward(self, group: ShardGroup, output: Any) -> None:
+        tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+        if tensors:
+            torch.autograd.graph.register_multi_grad_hook(tensors, lambda _: self.pre_backward(group), mode="any")
+
+    def _register_post_backward(self, group: ShardGroup, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        flat, spec = tree_flatten((args, kwargs))
+        positions = [i for i, value in enumerate(flat) if isinstance(value, torch.Tensor) and value.requires_grad]
+        if not positions:
+            return args, kwargs  # nothing upstream needs a gradient: finished at the end of backward
+        outputs = _PostBackward.apply(self, group, *[flat[i] for i in positions])
+        for i, value in zip(positions, outputs):
+            flat[i] = value
+        return tree_unflatten(flat, spec)
+
+    def _prefetch(self, group: ShardGroup, forward: bool) -> None:
+        """Start the all-gather of the groups expected next (forward or backward).
+
+        Explicit lists (``set_modules_to_*_prefetch``) win; otherwise forward follows the
+        previous forward's order and backward this forward's order reversed. The root group
+        runs first in forward and its head first in backward.
+        """
+        targets = group.forward_prefetch if forward else group.backward_prefetch
+        if targets is None:
+            order = self.forward_order if not forward else self._previous_order
+            if group.is_root:
+                candidates = order[:1] if forward else self.forward_order[-1:]
+            elif group in order:
+                index = order.index(group) + (1 if forward else -1)
+                candidates = [order[index]] if 0 <= index < len(order) else []
+            else:
+                candidates = []
+            targets = candidates
+        for target in targets:
+            if not target.backward_prepared and target is not group:
+                target.unshard(async_op=True)
+
+    def _cast_inputs(self, group: ShardGroup, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        policy = group.mp_policy
+        if policy is None or policy.param_dtype is None or not policy.cast_forward_inputs:
+            return args, kwargs
+
+        def cast(value: Any) -> Any:
+            if isinstance(value, torch.Tensor) and value.is_floating_point():
+                return value.to(policy.param_dtype)
+            return value
+
+        return tree_map(cast, args), tree_map(cast, kwargs)
+
+    # --------------------------------------------------------------- backward
+    def pre_backward(self, group: ShardGroup) -> None:
+        if not self._in_backward:
+            self._in_backward = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+        if group.backward_prepared:
+            return  # already prepared by an earlier output hook of this backward
+        group.prepare_backward()
+        self._prefetch(group, forward=False)
+
+    def grad_arrived(self, group: ShardGroup, bucket: DBuffer, name: str) -> None:
+        """A parameter's gradient is complete; the root's DBuffers reduce as soon as all of theirs are.
+
+        Only the reduction starts early (it reads gradients only); the root's full
+        parameters stay until the end of backward. Blocks reduce at their post-backward.
+        """
+        if bucket.grad_arrived(name) and group.is_root and self.requires_gradient_sync:
+            self._reduce(bucket)
+
+    def post_backward(self, group: ShardGroup) -> None:
+        """The module's backward is done: reduce its trainable DBuffers, then free its full parameters."""
+        group.forward_calls -= 1
+        if group.forward_calls > 0:
+            return  # the module ran several times this step; wait for its earliest call's backward
+        self._finish_group(group)
+
+    def _finish_group(self, group: ShardGroup) -> None:
+        for bucket in group.buckets:
+            if not bucket.has_grad_to_reduce or bucket in self._reduced:
+                continue
+            if self.requires_gradient_sync:
+                self._reduce(bucket)
+            else:
+                bucket.stash_unsynced_grad()
+        if group.reshard_after_backward:
+            group.reshard()
+        group.end_backward()
+
+    def _reduce(self, bucket: DBuffer) -> None:
+        """Issue one DBuffer's asynchronous reduction, finishing the previous ones first (at most one in flight)."""
+        self._finish_in_flight()
+        bucket.reduce_grad(async_op=True)
+        self._in_flight.append(bucket)
+        self._reduced.append(bucket)
+
+    def _finish_in_flight(self) -> None:
+        for bucket in self._in_flight:
+            bucket.finish_reduce()
+        self._in_flight.clear()
+
+    def _end_of_backward(self) -> None:
+        for group in self.all_groups:
+            if group.backward_prepared or group.forward_calls:
+                self._finish_group(group)
+            elif group.is_unsharded and group.reshard_after_backward:
+                group.reshard()  # ran forward with reshard_after_forward=False but got no gradient
+        if self._reduced:
+            self._settle_unused()
+        self._finish_in_flight()
+        self._reduced.clear()
+        self._in_backward = False
+
+    def _settle_unused(self) -> None:
+        """One small all-reduce: a parameter that received no gradient on any rank keeps ``grad is None``."""
+        flags = [flag for bucket in self._reduced for flag in bucket.used_flags()]
+        counts = torch.tensor(flags, dtype=torch.int32)
+        process_group = self._reduced[0].shard_group
+        work = dist.all_reduce(counts, group=process_group, async_op=True)
+        replicate = self._reduced[0].replicate_group
+        self._finish_in_flight()
+        work.wait()
+        if replicate is not None:
+            dist.all_reduce(counts, group=replicate)
+        self.stats.flag_syncs += 1
+        used = counts.tolist()
+        for bucket in self._reduced:
+            count = bucket.trainable_count
+            bucket.settle_unused([u > 0 for u in used[:count]])
+            used = used[count:]
+
+    # ----------------------------------------------------------------- public
+    def unshard(self, groups: list[ShardGroup], async_op: bool = False) -> "UnshardHandle":
+        for group in groups:
+            group.unshard(async_op=async_op)
+        return UnshardHandle(groups)
+
+    def reshard(self, groups: list[ShardGroup] | None = None) -> None:
+        """Free unsharded buffers (all groups by default), e.g. after an evaluation forward."""
+        for group in self.all_groups if groups is None else groups:
+            group.reshard()
+
+
+def _autograd_running() -> bool:
+    """True inside a backward pass (the autograd engine is executing a graph task)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+class UnshardHandle:
+    """Returned by ``module.unshard(async_op=True)``: ``wait()`` finishes the all-gathers."""
+
+    def __init__(self, groups: list[ShardGroup]) -> None:
+        self._groups = groups
+
+    def wait(self) -> None:
+        for group in self._groups:
+            group.wait_unshard()
+
+
+class _PostBackward(torch.autograd.Function):
+    """Identity on a module's inputs; its backward runs once the module's backward is complete.
+
+    The autograd engine runs a node only after every node that produces its input
+    gradients, and it runs ``AccumulateGrad`` first, so when this node runs, every
+    gradient of the module's parameters is in its buffer and nothing in the module needs
+    its full parameters any more.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, state: RaggedFSDPState, group: ShardGroup, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.state, ctx.group = state, group
+        return tuple(t.view_as(t) for t in inputs)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
+        ctx.state.post_backward(ctx.group)
+        return (None, None, *grads)

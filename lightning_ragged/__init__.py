@@ -9,6 +9,7 @@ from lightning_ragged.fsdp import (
     no_sync,
     set_requires_gradient_sync,
 )
+from lightning_ragged.fsdp_module import FSDPModule
 from lightning_ragged.grad_clip import clip_grad_norm_, clip_grad_value_
 from lightning_ragged.planning import Layout, TensorSpec, plan
 from lightning_ragged.ragged_shard import RaggedShard
@@ -17,6 +18,7 @@ from lightning_ragged.wrapper import FullyShardedDataParallel
 
 __all__ = [
     "DBufferAlignmentError",
+    "FSDPModule",
     "FullyShardedDataParallel",
     "Layout",
     "RaggedFSDPStrategy",
@@ -45,4 +47,8 @@ def __getattr__(name: str):
         from lightning_ragged.strategy import RaggedFSDPStrategy
 
         return RaggedFSDPStrategy
+    if name == "optim":  # `import lightning_ragged; lightning_ragged.optim.Muon` without a second import
+        import importlib
+
+        return importlib.import_module("lightning_ragged.optim")
     raise AttributeError(f"module 'lightning_ragged' has no attribute {name!r}")

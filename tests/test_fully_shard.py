@@ -36,9 +36,9 @@ def block_of_two_rows(name: str, param: torch.Tensor) -> int:
     return 2 * param.shape[1] if param.dim() == 2 else 1
 
 
-def check_training_matches_single_process(shard_kwargs: dict, accumulate: bool = False) -> dict:
+def check_training_matches_single_process(shard_kwargs: dict, accumulate: bool = False, batch: int = BATCH) -> dict:
     """5 AdamW steps sharded vs the same model on one process; returns the max abs difference."""
-    data = make_batches(STEPS, BATCH)
+    data = make_batches(STEPS, batch)
     reference = make_model()
     reference_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
     model = lr.fully_shard(make_model(), **shard_kwargs)

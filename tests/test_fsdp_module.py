@@ -1,0 +1,262 @@
+"""The FSDP2 surface of ``fully_shard``: module methods, ``reshard_after_forward=int``, guards,
+submodule state dicts, aligned views, grouping of every stack, re-recorded prefetch order.
+
+Parity checks compare with single-process training (``tests/test_fully_shard.py``'s oracle).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import lightning_ragged as lr
+from lightning_ragged.grouping import stack_blocks
+from tests.models import TinyBlock, lm_loss, make_batches, make_model
+from tests.test_fully_shard import BATCH, _local, check_training_matches_single_process
+
+
+def check_reshard_to_smaller_group(size: int) -> dict:
+    """After forward each block keeps 1/size of its full buffer; backward re-gathers it in place."""
+    model = lr.fully_shard(make_model(), reshard_after_forward=size)
+    state = lr.get_state(model)
+    loss = lm_loss(model, _local(make_batches(1, BATCH)[0]))
+    kept = [
+        (b.is_unsharded, None if b._partial is None else b._partial.numel(), b.layout.buffer_numel)
+        for g in state.groups for b in g.buckets
+    ]
+    loss.backward()
+    left = [b._partial is not None or b.is_unsharded for b in state.buckets()]
+    return {"kept": kept, "left": left}
+
+
+def test_reshard_after_forward_int_keeps_a_part_and_trains_exactly(dist_pool):
+    pool = dist_pool(4)
+    for rank_result in pool.run(check_reshard_to_smaller_group, 2):
+        assert rank_result["kept"]
+        for unsharded, kept, total in rank_result["kept"]:
+            assert not unsharded and kept == total // 2  # a 2-rank group re-gathers the whole buffer
+        assert not any(rank_result["left"])
+    results = pool.run(check_training_matches_single_process, dict(reshard_after_forward=2), False, 8)
+    assert max(r["max_diff"] for r in results) <= 1e-5, results[0]
+
+
+def check_reshard_after_forward_values() -> dict:
+    state = lr.get_state(lr.fully_shard(make_model(), reshard_after_forward=2))  # = world size: True
+    keep = lr.get_state(lr.fully_shard(make_model(), reshard_after_forward=1))  # = False
+    with pytest.raises(ValueError, match="reshard_after_forward=3 must be a bool or an int that divides"):
+        lr.fully_shard(make_model(), reshard_after_forward=3)
+    return {"two": state.groups[0].reshard_after_forward, "one": keep.groups[0].reshard_after_forward}
+
+
+def test_reshard_after_forward_int_edge_values(dist_pool):
+    assert dist_pool(2).run(check_reshard_after_forward_values)[0] == {"two": True, "one": False}
+
+
+def check_module_methods() -> dict:
+    """FSDP2's methods on the model and on each group's module."""
+    model = lr.fully_shard(make_model())
+    block = model.blocks[0]
+    assert isinstance(model, lr.FSDPModule) and isinstance(block, lr.FSDPModule) and isinstance(block, TinyBlock)
+    sharded_shape = tuple(block.up.weight.shape)
+    block.unshard()
+    full_shape = tuple(block.up.weight.shape)
+    root_untouched = tuple(model.blocks[1].up.weight.shape)  # not recursive, as FSDP2
+    block.reshard()
+    handle = block.unshard(async_op=True)
+    handle.wait()
+    block.reshard()
+    block.set_modules_to_forward_prefetch([model.blocks[1]])
+    model.blocks[1].set_modules_to_backward_prefetch([block])
+    with pytest.raises(ValueError, match="not a group of this sharded model"):
+        block.set_modules_to_forward_prefetch([nn.Linear(2, 2)])
+    return {"sharded": sharded_shape, "full": full_shape, "other": root_untouched,
+            "after": tuple(block.up.weight.shape)}
+
+
+def test_module_methods(dist_pool):
+    result = dist_pool(2).run(check_module_methods)[0]
+    assert result["full"] == (7, 13) and len(result["sharded"]) == 1 and len(result["other"]) == 1
+    assert result["after"] == result["sharded"]
+
+
+def check_loop_with_module_methods(steps: int = 3) -> dict:
+    """An FSDP2-style accumulation loop (sync off and full parameters kept on the first micro-batch,
+    explicit prefetch) against single-process training on the global batch."""
+    data = make_batches(steps, BATCH)
+    reference = make_model()
+    reference_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    model = lr.fully_shard(make_model())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model.blocks[0].set_modules_to_forward_prefetch([model.blocks[1]])
+    model.blocks[1].set_modules_to_backward_prefetch([model.blocks[0]])
+    state = lr.get_state(model)
+    kept_unsharded = []
+    for step in range(steps):
+        local = _local(data[step])
+        first, second = local.chunk(2)
+        model.set_requires_gradient_sync(False)
+        model.set_reshard_after_backward(False)
+        (lm_loss(model, first) * len(first) / len(local)).backward()
+        kept_unsharded.append(all(g.is_unsharded for g in state.groups))
+        model.set_requires_gradient_sync(True)
+        model.set_reshard_after_backward(True)
+        (lm_loss(model, second) * len(second) / len(local)).backward()
+        opt.step()
+        opt.zero_grad()
+        lm_loss(reference, data[step]).backward()
+        reference_opt.step()
+        reference_opt.zero_grad()
+    full, expected = lr.full_state_dict(model), reference.state_dict()
+    return {"max_diff": max((full[k] - expected[k]).abs().max().item() for k in expected),
+            "kept_unsharded": kept_unsharded, "left": [b.is_unsharded for b in state.buckets()]}
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_fsdp2_style_loop_with_module_methods_trains_exactly(dist_pool, world_size):
+    for result in dist_pool(world_size).run(check_loop_with_module_methods):
+        assert result["max_diff"] <= 1e-5, result
+        assert all(result["kept_unsharded"]) and not any(result["left"])
+
+
+def check_refuses_to_move_or_cast() -> dict:
+    model = lr.fully_shard(make_model())
+    with pytest.raises(RuntimeError, match=r"would unlink its parameters from their DBuffers.*before fully_shard"):
+        model.double()
+    with pytest.raises(RuntimeError, match="mp_policy"):
+        model.blocks[0].to(torch.bfloat16)
+    model.to("cpu").float()  # no move, no cast: allowed
+    lm_loss(model, _local(make_batches(1, BATCH)[0])).backward()
+    return {"dtype": str(next(model.parameters()).dtype)}
+
+
+def test_to_after_sharding_is_refused(dist_pool):
+    assert dist_pool(2).run(check_refuses_to_move_or_cast)[0] == {"dtype": "torch.float32"}
+
+
+def check_submodule_state_dicts() -> dict:
+    reference = make_model()
+    model = lr.fully_shard(make_model())
+    block_state = lr.full_state_dict(model.blocks[1])
+    expected = reference.blocks[1].state_dict()
+    diff = max((block_state[k] - expected[k]).abs().max().item() for k in expected)
+    norm = lr.full_state_dict(model.norm)  # part of the root group's DBuffer
+    changed = {k: v + 1 for k, v in block_state.items()}
+    lr.load_full_state_dict(model.blocks[1], changed)
+    reloaded = lr.full_state_dict(model)
+    moved = max((reloaded[f"blocks.1.{k}"] - changed[k]).abs().max().item() for k in changed)
+    untouched = (reloaded["blocks.0.up.weight"] - reference.blocks[0].up.weight).abs().max().item()
+    return {"keys": sorted(block_state) == sorted(expected), "diff": diff, "norm_keys": sorted(norm),
+            "moved": moved, "untouched": untouched}
+
+
+def test_full_state_dict_of_a_submodule(dist_pool):
+    for result in dist_pool(2).run(check_submodule_state_dicts):
+        assert result["keys"] and result["diff"] == 0.0
+        assert result["norm_keys"] == ["bias", "weight"]
+        assert result["moved"] == 0.0 and result["untouched"] == 0.0
+
+
+def check_views_are_aligned(mixed: bool) -> list[int]:
+    """Every full parameter view starts 16 bytes aligned (offsets in the layout and real addresses)."""
+    policy = None
+    if mixed:
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    model = lr.fully_shard(make_model(), mp_policy=policy)
+    state = lr.get_state(model)
+    misaligned = []
+    for bucket in state.buckets():
+        bucket.unshard()
+        for name, param in bucket.unsharded_params.items():
+            if param.numel() and (param.data_ptr() % 16 or bucket.layout.offsets[name] % bucket.layout.alignment):
+                misaligned.append(name)
+        start = bucket.sharded.data_ptr()
+        misaligned += [n for n, p in bucket.sharded_params.items() if p.numel() and (p.data_ptr() - start) % 16]
+        bucket.reshard()
+    return misaligned
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("mixed", [False, True])
+def test_parameter_views_are_16_byte_aligned(dist_pool, world_size, mixed):
+    assert dist_pool(world_size).run(check_views_are_aligned, mixed) == [[]] * world_size
+
+
+class Stack(nn.Module):
+    """An encoder or decoder: a ModuleList of blocks plus a final norm (T5's ``T5Stack`` shape)."""
+
+    def __init__(self, layers: int) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(TinyBlock() for _ in range(layers))
+        self.norm = nn.LayerNorm(13)
+
+
+class Pair(nn.Module):
+    """A block class repeated among siblings, not in a container (UNet-style)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.down = TinyBlock()
+        self.up = TinyBlock()
+        self.experts = nn.ModuleList(nn.Linear(13, 13) for _ in range(2))  # leaf modules: not blocks
+
+
+class EncoderDecoder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(10, 13)
+        self.encoder = Stack(2)
+        self.decoder = Stack(3)
+        self.unet = Pair()
+
+
+def test_every_stack_is_grouped_per_block():
+    names = [name for name, _ in stack_blocks(EncoderDecoder())]
+    assert names == ["encoder.layers.0", "encoder.layers.1", "decoder.layers.0", "decoder.layers.1",
+                     "decoder.layers.2", "unet.down", "unet.up"]
+
+
+class Reversible(nn.Module):
+    """Runs its blocks forward or in reverse (a different forward order, e.g. train vs eval)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList(TinyBlock() for _ in range(3))
+        self.reverse = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in reversed(self.blocks) if self.reverse else self.blocks:
+            x = block(x)
+        return x
+
+
+def check_forward_order_is_re_recorded() -> dict:
+    reference, model = Reversible(), lr.fully_shard(Reversible())
+    state = lr.get_state(model)
+    x = torch.randn(2, 4, 13, generator=torch.Generator().manual_seed(dist.get_rank()))
+    orders, diffs = [], []
+    for reverse in (False, True, True, False):
+        model.reverse = reference.reverse = reverse
+        model(x).square().mean().backward()
+        reference(x).square().mean().backward()
+        orders.append([g.name for g in state.forward_order])
+        expected = {k: v.grad.clone() for k, v in reference.named_parameters()}
+        for name, param in model.named_parameters():
+            dist.all_reduce(expected[name])  # the average of the ranks' gradients, as the engine computes
+            start, end = param.ragged_shard.local_range
+            mine = expected[name].reshape(-1)[start:end] / dist.get_world_size()
+            diffs.append((param.grad - mine).abs().max().item() if mine.numel() else 0.0)
+        for p in [*model.parameters(), *reference.parameters()]:
+            p.grad = None
+    return {"orders": orders, "diff": max(diffs)}
+
+
+def test_prefetch_order_follows_the_latest_forward(dist_pool):
+    result = dist_pool(2).run(check_forward_order_is_re_recorded)[0]
+    forward = ["blocks.0", "blocks.1", "blocks.2"]
+    assert result["orders"] == [forward, forward[::-1], forward[::-1], forward]
+    assert result["diff"] <= 1e-6

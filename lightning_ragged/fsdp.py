@@ -84,10 +84,13 @@ def fully_shard(
         )
     stats = CommStats()
     adopted: list[ShardGroup] = []
+    paths = {id(m): name for name, m in module.named_modules()}
     for child in children:
         for handle in child.handles:
             handle.remove()
+        prefix = paths[id(child.root)]
         for group in child.all_groups:
+            group.name = prefix if group.is_root else f"{prefix}.{group.name}"
             group.is_root = False
             for bucket in group.buckets:
                 bucket.stats = stats

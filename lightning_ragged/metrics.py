@@ -35,6 +35,7 @@ Keys (prefix ``ragged_fsdp/``; "per step" values are means over the logging wind
 ``process_peak_memory_bytes``      peak RSS since start (CPU) or ``torch.cuda.max_memory_allocated`` (CUDA)
 ``padding_ratio``                  planner padding / parameters, all groups
 ``segment_size_max``               the largest per-rank segment (elements) of any group
+``root_param_fraction``            share of the parameters in the root group (kept unsharded from forward to backward)
 ``groups/<group>/padding_ratio``   per group (``<group>#<i>`` when a group has several DBuffers)
 ``groups/<group>/segment_size``    per group, elements
 =================================  ==================================================================
@@ -203,6 +204,7 @@ class EngineMetrics:
                     metrics[f"groups/{info.label}/segment_size"] = layout.segment_size
         metrics["padding_ratio"] = padding / numel if numel else 0.0
         metrics["segment_size_max"] = segment_max
+        metrics["root_param_fraction"] = max((p.state.root_fraction for p in self.probes), default=0.0)
         return metrics
 
     def groups(self) -> Iterable[tuple[str, Any]]:

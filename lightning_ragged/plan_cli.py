@@ -380,6 +380,7 @@ def render_table(report: dict[str, Any]) -> str:
     lines += [
         "",
         f"Whole model: padding {report['padding_ratio']:.2%} of the parameters; "
+        f"{report['root_fraction']:.2%} of them in the root group (never resharded after forward); "
         f"{report['block_cuts_avoided']:,} block cuts avoided per step's layout; planning {report['plan_seconds']:.3f} s.",
         "",
         f"Per-rank memory estimate (master {report['master_dtype']}, compute {report['param_dtype']}, "
@@ -432,6 +433,7 @@ def build_report(args: argparse.Namespace) -> dict[str, Any]:
         optimizer=args.optimizer,
         groups=groups,
         padding_ratio=sum(count * b["padding"] for count, b in weighted) / numel,
+        root_fraction=sum(g["count"] * b["numel"] for g in groups if g["group"] == "root" for b in g["buckets"]) / numel,
         block_cuts_avoided=sum(count * b["block_cuts_avoided"] for count, b in weighted),
         plan_seconds=sum(b["plan_seconds"] for _, b in weighted),
         memory=memory_estimate(groups, shard_world, master_bytes, param_bytes, args.optimizer),

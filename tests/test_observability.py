@@ -79,7 +79,10 @@ def check_engine_metrics(mixed_precision: bool) -> dict:
     layouts = [(b.layout.padding_ratio, b.layout.segment_size) for b in state.buckets()]
     metrics.close()
     assert "unshard" not in state.root_group.buckets[0].__dict__, "close() must restore the DBuffer methods"
-    return dict(values=values, expected=expected, layouts=layouts, cast=cast)
+    plain = dict(make_model().named_parameters())  # the root group holds what no block holds
+    root_fraction = sum(p.numel() for n, p in plain.items() if not n.startswith("blocks.")) / sum(
+        p.numel() for p in plain.values())
+    return dict(values=values, expected=expected, layouts=layouts, cast=cast, root_fraction=root_fraction)
 
 
 @pytest.mark.parametrize("mixed_precision", [False, True], ids=["fp32", "bf16"])
@@ -99,6 +102,7 @@ def test_engine_metrics_match_planned_buffers(dist_pool, mixed_precision):
         assert values["ragged_fsdp/process_peak_memory_bytes"] >= values["ragged_fsdp/process_memory_bytes"] > 2**20
         assert values["ragged_fsdp/padding_ratio"] >= 0
         assert values["ragged_fsdp/segment_size_max"] == max(s for _, s in result["layouts"])
+        assert values["ragged_fsdp/root_param_fraction"] == pytest.approx(result["root_fraction"])
         root_keys = [k for k in values if k.startswith("ragged_fsdp/groups/root") and k.endswith("/segment_size")]
         assert root_keys and all(values[k] in [s for _, s in result["layouts"]] for k in root_keys)
         assert values["ragged_fsdp/groups/blocks.0/padding_ratio"] in [p for p, _ in result["layouts"]]

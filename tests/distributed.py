@@ -11,10 +11,12 @@ import multiprocessing as mp
 import os
 import queue
 import tempfile
+import time
 import traceback
 from typing import Any, Callable
 
 TASK_TIMEOUT_S = 240
+FAILURE_GRACE_S = 15
 
 
 def _worker(rank: int, world_size: int, init_file: str, tasks: mp.Queue, results: mp.Queue) -> None:
@@ -60,10 +62,14 @@ class DistributedPool:
         for task_queue in self._tasks:
             task_queue.put((fn, args, kwargs))
         outcomes: dict[int, tuple[bool, Any]] = {}
+        deadline = time.monotonic() + TASK_TIMEOUT_S
         try:
             while len(outcomes) < self.world_size:
-                rank, ok, value = self._results.get(timeout=TASK_TIMEOUT_S)
+                # once a rank failed, its peers are likely stuck in a collective: wait briefly, not the full timeout
+                rank, ok, value = self._results.get(timeout=max(0.0, deadline - time.monotonic()))
                 outcomes[rank] = (ok, value)
+                if not ok:
+                    deadline = min(deadline, time.monotonic() + FAILURE_GRACE_S)
         except queue.Empty:
             self.close()
             reported = "".join(
@@ -71,7 +77,8 @@ class DistributedPool:
                 for rank, (ok, value) in sorted(outcomes.items())
             )
             raise TimeoutError(
-                f"{fn.__name__} did not finish on all ranks within {TASK_TIMEOUT_S}s{reported}"
+                f"{fn.__name__} did not finish on all ranks within {TASK_TIMEOUT_S}s "
+                f"(or {FAILURE_GRACE_S}s after a rank failed){reported}"
             ) from None
         failures = [f"--- rank {rank} ---\n{value}" for rank, (ok, value) in sorted(outcomes.items()) if not ok]
         if failures:

@@ -104,7 +104,7 @@ def boxes_as_dtensor(
     does: each box of ``flat_range_to_boxes`` is contiguous). Returns None when there is
     nothing local (DCP then simply gets no chunk from this rank).
     """
-    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor import DTensor, Replicate, Shard
     from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
 
     if not boxes:
@@ -119,8 +119,11 @@ def boxes_as_dtensor(
         raise ValueError(f"boxes cover {cursor} elements but the local tensor has {flat.numel()}")
     wrapper = LocalShardsWrapper(pieces, offsets)
     shape = torch.Size(global_shape)
+    # The placement is only a label here (DCP asks the wrapper for the chunks); a 0-D
+    # tensor has no dim 0 to shard, and its one box is the whole of it.
+    placement = Shard(0) if len(shape) else Replicate()
     return DTensor.from_local(
-        wrapper, _mesh(group, flat.device.type), [Shard(0)], shape=shape, stride=_contiguous_stride(shape), run_check=False
+        wrapper, _mesh(group, flat.device.type), [placement], shape=shape, stride=_contiguous_stride(shape), run_check=False
     )
 
 
@@ -260,6 +263,61 @@ def _state_layout(optimizer: torch.optim.Optimizer, param: torch.Tensor, key: st
     )
 
 
+ZERO_DIM_STATES_KEY = "zero_dim_param_states"
+"""In a torch-format optimizer state: for each 0-D parameter, the names of its state entries
+shaped like it (one value per element, as AdamW's ``exp_avg``).
+
+A 0-D parameter's per-element states and its scalar states (``step``) both have the global
+shape ``()``, so shapes alone cannot tell them apart; sharded, the former are this rank's
+one element or nothing (a 1-D view of 1 or 0 elements), the latter are whole on every rank.
+A save of sharded 0-D parameters records which is which here (an entry only for 0-D
+parameters: other checkpoints are unchanged); consolidation keeps it, keyed like "state"."""
+
+
+def _zero_dim_flat_keys(
+    param_shapes: Mapping[Any, Sequence[int]],
+    state_shapes: Mapping[Any, Mapping[str, Sequence[int]]],
+    recorded: Mapping[Any, Sequence[str]] | None = None,
+) -> tuple[dict[Any, set[str]], dict[Any, set[str]]]:
+    """For each 0-D parameter: (its 0-D entries shaped like it, its 0-D entries nothing tells apart).
+
+    ``recorded`` (``ZERO_DIM_STATES_KEY``) decides where it names the parameter. Otherwise the
+    optimizer's parameters of one or more dimensions tell: torch.optim optimizers keep the
+    same entries for every parameter, so an entry name that holds a value of its parameter's
+    shape there is per-element here, and one that holds anything else is a scalar.
+    """
+    per_element: set[str] = set()
+    scalar: set[str] = set()
+    for param, entries in state_shapes.items():
+        shape = param_shapes.get(param)
+        if not shape:  # unknown, or 0-D itself
+            continue
+        for key, size in entries.items():
+            (per_element if tuple(size) == tuple(shape) else scalar).add(key)
+    flat: dict[Any, set[str]] = {}
+    unknown: dict[Any, set[str]] = {}
+    for param, entries in state_shapes.items():
+        if param_shapes.get(param) is None or tuple(param_shapes[param]) != ():
+            continue
+        zero_dim = {key for key, size in entries.items() if tuple(size) == ()}
+        if recorded is not None and param in recorded:
+            flat[param] = zero_dim & set(recorded[param])
+            continue
+        flat[param] = {key for key in zero_dim if key in per_element and key not in scalar}
+        unknown[param] = {key for key in zero_dim if (key in per_element) == (key in scalar)}
+    return flat, {param: keys for param, keys in unknown.items() if keys}
+
+
+def _require_known_zero_dim_layout(unknown: Mapping[Any, set[str]], source: Any) -> None:
+    if unknown:
+        described = ", ".join(f"{param!r}: {sorted(keys)}" for param, keys in sorted(unknown.items(), key=str))
+        raise CheckpointMismatchError(
+            f"{source} holds optimizer state of 0-D parameters that cannot be told apart from scalar state "
+            f"({described}): shape () fits both, no other parameter of the optimizer shows which entries are "
+            f"per-element, and the state has no {ZERO_DIM_STATES_KEY!r} record (a sharded save writes one)"
+        )
+
+
 def _block_range(shard: RaggedShard, block: int) -> tuple[int, int, int]:
     return (*shard.local_blocks(block), math.ceil(shard.numel / block))
 
@@ -300,6 +358,7 @@ def sharded_optimizer_state_dict(module: nn.Module | None, optimizer: torch.opti
         saved["params"] = [names[id(p)] for p in group["params"]]
         groups.append(saved)
     state: dict[str, Any] = {}
+    zero_dim: dict[str, list[str]] = {}
     for group in optimizer.param_groups:
         for param in group["params"]:
             entries = optimizer.state.get(param)
@@ -314,8 +373,13 @@ def sharded_optimizer_state_dict(module: nn.Module | None, optimizer: torch.opti
                 entry = _shard_state_entry(value, layout, shard, sharded)
                 if entry is not None:
                     converted[key] = entry
+                if sharded and not ragged and len(shard.global_shape) == 0 and layout == "flat":
+                    zero_dim.setdefault(name, []).append(key)
             state[name] = converted
-    return {"state": state, "param_groups": groups, "format": "ragged" if ragged else "torch"}
+    result = {"state": state, "param_groups": groups, "format": "ragged" if ragged else "torch"}
+    if zero_dim:
+        result[ZERO_DIM_STATES_KEY] = zero_dim
+    return result
 
 
 # ----------------------------------------------------------------- directory helpers
@@ -791,6 +855,49 @@ def load_sharded_model_state_dict(module: nn.Module, info: CheckpointInfo | str 
         module.load_state_dict(rest, strict=False)
 
 
+def _zero_dim_flat_keys_in_directory(
+    info: CheckpointInfo, paths: Mapping[str, tuple], by_name: Mapping[str, torch.Tensor]
+) -> dict[str, set[str]]:
+    """For the sharded 0-D parameters of the optimizer: their saved entries shaped like them (see ``ZERO_DIM_STATES_KEY``)."""
+    param_shapes = {name: tuple(_shard_or_whole(param, name).global_shape) for name, param in by_name.items()}
+    sharded_zero_dim = {
+        name for name, param in by_name.items() if param_shapes[name] == () and getattr(param, "ragged_shard", None) is not None
+    }
+    if not sharded_zero_dim:
+        return {}
+    state_shapes: dict[str, dict[str, tuple[int, ...]]] = {}
+    record_keys = []
+    for flat_key, path in paths.items():
+        item = info.metadata.state_dict_metadata[flat_key]
+        if len(path) == 4 and path[1] == "state" and isinstance(item, TensorStorageMetadata):
+            state_shapes.setdefault(path[2], {})[path[3]] = tuple(item.size)
+        elif len(path) == 3 and path[1] == ZERO_DIM_STATES_KEY and path[2] in sharded_zero_dim:
+            record_keys.append(flat_key)
+    recorded: dict[str, Any] = {}
+    if record_keys:
+        from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+        template: dict[str, Any] = {}
+        for flat_key in record_keys:
+            _set_path(template, paths[flat_key], None)
+        _load_state_dict(  # a few pickled name lists, read by each rank on its own (no collective)
+            template,
+            storage_reader=dcp.FileSystemReader(str(info.path)),
+            planner=dcp.DefaultLoadPlanner(allow_partial_load=True),
+            no_dist=True,
+        )
+        recorded = {paths[k][2]: list(_get_path(template, paths[k]) or ()) for k in record_keys}
+    flat, unknown = _zero_dim_flat_keys(param_shapes, state_shapes, recorded)
+    _require_known_zero_dim_layout({n: keys for n, keys in unknown.items() if n in sharded_zero_dim}, info.path)
+    return flat
+
+
+def _get_path(root: Any, path: tuple) -> Any:
+    for key in path:
+        root = root[key]
+    return root
+
+
 def load_sharded_optimizer_state_dict(
     module: nn.Module | None,
     optimizer: torch.optim.Optimizer,
@@ -806,6 +913,7 @@ def load_sharded_optimizer_state_dict(
     names = _optimizer_param_names(module, optimizer)
     by_name = {names[id(p)]: p for group in optimizer.param_groups for p in group["params"]}
     ragged = _is_ragged_optimizer(optimizer)
+    zero_dim_flat = {} if ragged else _zero_dim_flat_keys_in_directory(info, paths, by_name)
     template: dict[str, Any] = {}
     local: dict[tuple[str, str], torch.Tensor] = {}  # (name, entry) -> this rank's tensor of a sharded entry
     unknown = set()
@@ -814,6 +922,8 @@ def load_sharded_optimizer_state_dict(
         if len(path) >= 4 and path[1] == "state" and path[2] not in by_name:
             unknown.add(path[2])
             continue
+        if len(path) >= 2 and path[1] == ZERO_DIM_STATES_KEY:
+            continue  # read above; the optimizer's own state_dict has no such entry
         if not isinstance(item, TensorStorageMetadata):
             _set_path(template, path, None)  # param_groups, format, non-tensor state: DCP fills them in
             continue
@@ -827,7 +937,8 @@ def load_sharded_optimizer_state_dict(
         dtype, size = item.properties.dtype, tuple(item.size)
         layout = optimizer.state_layout(param).get(entry) if ragged else None
         if len(path) > 4 or layout is None or layout == "tiles":
-            layout = "tiles" if len(path) > 4 else ("flat" if size == tuple(shard.global_shape) and size else "scalar")
+            shaped_like_param = size == tuple(shard.global_shape) and (size or entry in zero_dim_flat.get(name, ()))
+            layout = "tiles" if len(path) > 4 else ("flat" if shaped_like_param else "scalar")
         if layout == "flat" and sharded:
             if size != tuple(shard.global_shape):
                 raise CheckpointMismatchError(
@@ -1012,18 +1123,35 @@ def load_full_optimizer_state_dict(module: nn.Module | None, optimizer: torch.op
         state = {
             "state": {index[name]: entries for name, entries in state["state"].items()},
             "param_groups": [{**g, "params": [index[n] for n in g["params"]]} for g in state["param_groups"]],
+            **({ZERO_DIM_STATES_KEY: {index[n]: keys for n, keys in state[ZERO_DIM_STATES_KEY].items()}}
+               if ZERO_DIM_STATES_KEY in state else {}),
         }
     saved_count = sum(len(g["params"]) for g in state["param_groups"])
     if saved_count != len(params):
         raise CheckpointMismatchError(f"optimizer state covers {saved_count} parameters, the optimizer has {len(params)}")
+    shards = {idx: _shard_or_whole(params[idx], names.get(id(params[idx]), str(idx))) for idx in state["state"]}
+    sharded = {idx for idx in shards if getattr(params[idx], "ragged_shard", None) is not None}
+    zero_dim_flat: dict[Any, set[str]] = {}
+    if any(len(shards[idx].global_shape) == 0 for idx in sharded):
+        zero_dim_flat, unknown = _zero_dim_flat_keys(
+            {idx: tuple(shard.global_shape) for idx, shard in shards.items()},
+            {idx: {k: tuple(v.shape) for k, v in entries.items() if isinstance(v, torch.Tensor)} for idx, entries in state["state"].items()},
+            state.get(ZERO_DIM_STATES_KEY),
+        )
+        _require_known_zero_dim_layout(
+            {names.get(id(params[idx]), idx): keys for idx, keys in unknown.items() if idx in sharded}, "the optimizer state"
+        )
     local_state = {}
     for idx, entries in state["state"].items():
-        param = params[idx]
-        shard = _shard_or_whole(param, names.get(id(param), str(idx)))
-        sharded = getattr(param, "ragged_shard", None) is not None
+        shard = shards[idx]
         local_entries = {}
         for key, value in entries.items():
-            if sharded and isinstance(value, torch.Tensor) and value.dim() and tuple(value.shape) == tuple(shard.global_shape):
+            if (
+                idx in sharded
+                and isinstance(value, torch.Tensor)
+                and tuple(value.shape) == tuple(shard.global_shape)
+                and (value.dim() or key in zero_dim_flat.get(idx, ()))
+            ):
                 start, end = shard.local_range
                 value = value.reshape(-1)[start:end]
             local_entries[key] = value.clone() if isinstance(value, torch.Tensor) else value

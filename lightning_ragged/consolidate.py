@@ -28,7 +28,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from lightning_ragged.checkpoint import FORMAT_KEY, MODEL_KEY, CheckpointInfo, inspect_checkpoint
+from lightning_ragged.checkpoint import FORMAT_KEY, MODEL_KEY, ZERO_DIM_STATES_KEY, CheckpointInfo, inspect_checkpoint
 
 BATCH_BYTES = 256 * 2**20
 """Tensors filled per DCP read (a bound on the extra memory consolidation uses)."""
@@ -162,7 +162,10 @@ def _to_torch_optimizer_layout(state: dict[str, Any]) -> tuple[dict[str, Any], d
             converted["params"].append(index[name])
         groups.append(converted)
     named = state.get("state", {})
-    return {"state": {index[name]: entries for name, entries in named.items()}, "param_groups": groups}, index
+    converted_state = {"state": {index[name]: entries for name, entries in named.items()}, "param_groups": groups}
+    if ZERO_DIM_STATES_KEY in state:  # which states of 0-D parameters are per-element (torch ignores the key)
+        converted_state[ZERO_DIM_STATES_KEY] = {index[name]: list(keys) for name, keys in state[ZERO_DIM_STATES_KEY].items()}
+    return converted_state, index
 
 
 def _is_fake(value: torch.Tensor) -> bool:

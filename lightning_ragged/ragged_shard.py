@@ -101,11 +101,17 @@ def flat_range_to_boxes(shape: Sequence[int], start: int, end: int) -> list[Box]
     """Split the row-major flat range [start, end) of ``shape`` into few N-D boxes.
 
     A range becomes a partial piece of the first slice, whole slices along dim 0 and a
-    partial piece of the last slice, recursively: at most 2·ndim − 1 boxes.
+    partial piece of the last slice, recursively: at most 2·ndim − 1 boxes. A 0-D tensor
+    (shape ``()``, one element) has the one box ``((), ())`` (offsets and sizes of no
+    dimension): the whole of it, in its own 0-D shape.
     """
     if start >= end:
         return []
-    if len(shape) <= 1:
+    if not 0 <= start < end <= math.prod(shape):
+        raise ValueError(f"flat range [{start}, {end}) is outside a tensor of shape {tuple(shape)}")
+    if len(shape) == 0:
+        return [((), ())]
+    if len(shape) == 1:
         return [((start,), (end - start,))]
     inner = math.prod(shape[1:])
     boxes: list[Box] = []

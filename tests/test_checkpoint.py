@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 import lightning_ragged as lr
 from lightning_ragged import checkpoint as ck
-from tests.models import lm_loss, make_batches, make_model
+from tests.models import TinyLM, lm_loss, make_batches, make_model
 
 BATCH = 6  # global batch: divisible by 1, 2 and 3 ranks
 GRANULARITIES = {
@@ -348,6 +348,264 @@ def test_consolidated_file_is_an_ordinary_checkpoint(reshard_root, tmp_path) -> 
     optimizer.load_state_dict(checkpoint["optimizer_states"][0])  # torch's index-keyed layout
     assert checkpoint["step"] == 3
     assert main([str(path), str(tmp_path / "out.ckpt")]) == 1  # refuses to overwrite
+
+
+# ------------------------------------------------------------------- 0-D parameters
+class ScaledLM(TinyLM):
+    """The tiny LM with a learnable 0-D logit scale (a temperature), used in every forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.logit_scale = torch.nn.Parameter(1.0 + torch.rand(()))  # seed-dependent: a load must overwrite it
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return super().forward(tokens) * self.logit_scale
+
+
+def make_scaled_model(seed: int = 0) -> ScaledLM:
+    torch.manual_seed(seed)
+    return ScaledLM()
+
+
+ZERO_DIM_SAVED_WITH = dict(shard_granularity="row")
+ZERO_DIM_RESHARDED = dict(shard_granularity="element", planning_algorithm="greedy")
+RESHARD_TOLERANCE = 1e-5  # what the resharding tests allow (fp32 sums in another order)
+
+
+def _gathered(model, optimizer) -> dict[str, torch.Tensor]:
+    """Full parameters (the engine's gather) and AdamW states (every rank's range put in place), by name.
+
+    An oracle that goes through no checkpoint code: on a rank, a state shaped like the local
+    shard is per-element, anything else (``step``) is whole.
+    """
+    full = {f"param.{name}": value.clone() for name, value in lr.full_state_dict(model).items()}
+    params = dict(model.named_parameters())
+    local = {}
+    for name, param in params.items():
+        for key, value in optimizer.state[param].items():
+            per_element = value.shape == param.shape
+            local[(name, key)] = (param.ragged_shard.local_range if per_element else None, value.detach().clone())
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, local)
+    for (name, key), (local_range, value) in local.items():
+        if local_range is None:
+            full[f"opt.{name}.{key}"] = value
+            continue
+        shard = params[name].ragged_shard
+        flat = torch.empty(shard.numel, dtype=value.dtype)
+        for rank_state in everyone:
+            (start, end), piece = rank_state[(name, key)]
+            flat[start:end] = piece
+        full[f"opt.{name}.{key}"] = flat.view(shard.global_shape)
+    return full
+
+
+def _plain_state(model, optimizer) -> dict[str, torch.Tensor]:
+    """The same keys as ``_gathered`` for an unsharded model."""
+    full = {f"param.{name}": value.detach().clone() for name, value in model.state_dict().items()}
+    for name, param in model.named_parameters():
+        for key, value in optimizer.state[param].items():
+            full[f"opt.{name}.{key}"] = value.detach().clone()
+    return full
+
+
+def _worst(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys(), sorted(set(a) ^ set(b))
+    assert all(a[k].shape == b[k].shape for k in a), [(k, a[k].shape, b[k].shape) for k in a if a[k].shape != b[k].shape]
+    return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
+
+
+def _plain_zero_dim_run(root: str) -> dict[int, dict[str, torch.Tensor]]:
+    """The independent oracle: the unsharded model and torch's AdamW on the global batch, 6 steps.
+
+    Writes its step-3 state as an ordinary torch checkpoint and as a directory saved from the
+    plain module (neither holds a record of which 0-D states are per-element).
+    """
+    data = make_batches(6, BATCH)
+    model = make_scaled_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    states = {}
+    for step in range(6):
+        lm_loss(model, data[step]).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        if step + 1 == 3:
+            states[3] = _plain_state(model, optimizer)
+            torch.save(
+                {"state_dict": model.state_dict(), "optimizer_states": [optimizer.state_dict()], "step": 3},
+                f"{root}/plain-3.ckpt",
+            )
+            ck.save(f"{root}/plain-3", model, [optimizer], {"step": 3})
+    states[6] = _plain_state(model, optimizer)
+    return states
+
+
+def check_zero_dim_save(root: str, tag: str) -> dict:
+    """3 AdamW steps sharded, then a sharded and a full save, then 3 more steps."""
+    data = make_batches(6, BATCH)
+    model = lr.fully_shard(make_scaled_model(), **ZERO_DIM_SAVED_WITH)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for step in range(3):
+        _step(model, [optimizer], data[step])
+    ck.save(f"{root}/{tag}", model, [optimizer], {"step": 3})
+    ck.save(f"{root}/{tag}-full.ckpt", model, [optimizer], {"step": 3}, full=True)
+    at3 = _gathered(model, optimizer)
+    for step in range(3, 6):
+        _step(model, [optimizer], data[step])
+    return {
+        "at3": at3,
+        "at6": _gathered(model, optimizer),
+        "local": _local_state(model, [optimizer]),
+        "scale_local_numel": model.logit_scale.numel(),
+    }
+
+
+def check_zero_dim_resume(root: str, sources: list[str], sharding: dict) -> dict:
+    """For each saved source: a fresh model (other init) loads it here and trains to step 6."""
+    data = make_batches(6, BATCH)
+    results = {}
+    for source in sources:
+        model = lr.fully_shard(make_scaled_model(seed=7), **sharding)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        extra = ck.load(f"{root}/{source}", model, [optimizer])
+        for step in range(extra["step"], 6):
+            _step(model, [optimizer], data[step])
+        results[source] = {"final": _gathered(model, optimizer), "local": _local_state(model, [optimizer])}
+    return results
+
+
+def _muon_with_aux_adamw(model):
+    from lightning_ragged.optim import MuonWithAuxAdamW, muon_param_groups
+
+    return [MuonWithAuxAdamW(muon_param_groups(model, muon=dict(lr=2e-2), adamw=dict(lr=1e-2)))]
+
+
+def _scale_on_its_own(model):
+    """AdamW for the rest and one for the 0-D scale alone: no other parameter shows its state's layout."""
+    rest = [p for name, p in model.named_parameters() if name != "logit_scale"]
+    return [torch.optim.AdamW(rest, lr=1e-2), torch.optim.AdamW([model.logit_scale], lr=5e-2)]
+
+
+def check_zero_dim_other_optimizers(root: str) -> dict:
+    """A ragged optimizer (its AdamW group holds the scale) and an optimizer of the scale alone:
+    the directory and the full file resume bit-identically; a plain torch state of the scale alone
+    (no record of which entries are per-element) is refused with a clear message."""
+    data = make_batches(6, BATCH)
+    same = {}
+    for kind, make_optimizers in (("muon", _muon_with_aux_adamw), ("alone", _scale_on_its_own)):
+        model = lr.fully_shard(make_scaled_model(), **ZERO_DIM_SAVED_WITH)
+        optimizers = make_optimizers(model)
+        for step in range(6):
+            if step == 3:
+                ck.save(f"{root}/{kind}", model, optimizers, {"step": 3})
+                ck.save(f"{root}/{kind}-full.ckpt", model, optimizers, {"step": 3}, full=True)
+            _step(model, optimizers, data[step])
+        uninterrupted = _local_state(model, optimizers)
+        for source in (kind, f"{kind}-full.ckpt"):
+            model = lr.fully_shard(make_scaled_model(seed=7), **ZERO_DIM_SAVED_WITH)
+            optimizers = make_optimizers(model)
+            ck.load(f"{root}/{source}", model, optimizers)
+            for step in range(3, 6):
+                _step(model, optimizers, data[step])
+            got = _local_state(model, optimizers)
+            same[source] = got.keys() == uninterrupted.keys() and all(torch.equal(got[k], uninterrupted[k]) for k in got)
+    plain = make_scaled_model()
+    plain_optimizers = _scale_on_its_own(plain)
+    lm_loss(plain, data[0]).backward()
+    for optimizer in plain_optimizers:
+        optimizer.step()
+    if dist.get_rank() == 0:
+        torch.save({"state_dict": plain.state_dict(), "optimizer_states": [o.state_dict() for o in plain_optimizers]},
+                   f"{root}/alone-plain.ckpt")
+    dist.barrier()
+    model = lr.fully_shard(make_scaled_model(seed=7), **ZERO_DIM_SAVED_WITH)
+    with pytest.raises(ck.CheckpointMismatchError, match=r"0-D parameters that cannot be told apart.*'logit_scale'"):
+        ck.load(f"{root}/alone-plain.ckpt", model, _scale_on_its_own(model))
+    return same
+
+
+@pytest.fixture(scope="module")
+def zero_dim(dist_pool):
+    """The plain oracle, and 2- and 3-rank runs that saved at step 3 (per-rank results)."""
+    root = tempfile.mkdtemp(prefix="ragged_zero_dim_")
+    oracle = _plain_zero_dim_run(root)
+    saved = {world: dist_pool(world).run(check_zero_dim_save, root, f"z{world}") for world in (2, 3)}
+    yield root, oracle, saved
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def test_zero_dim_parameter_trains_sharded_like_the_plain_model(zero_dim) -> None:
+    _, oracle, saved = zero_dim
+    for world, ranks in saved.items():
+        assert sorted(rank["scale_local_numel"] for rank in ranks) == [0] * (world - 1) + [1]  # one owner
+        for step in (3, 6):
+            assert _worst(ranks[0][f"at{step}"], oracle[step]) < RESHARD_TOLERANCE, (world, step)
+    assert oracle[6]["param.logit_scale"].shape == () and oracle[6]["opt.logit_scale.exp_avg"].shape == ()
+    assert oracle[6]["param.logit_scale"] != make_scaled_model().logit_scale  # it trains
+
+
+def test_zero_dim_parameter_resumes_bit_identically_at_the_same_world_size(dist_pool, zero_dim) -> None:
+    root, _, saved = zero_dim
+    for world in (2, 3):
+        sources = [f"z{world}", f"z{world}-full.ckpt"]
+        resumed = dist_pool(world).run(check_zero_dim_resume, root, sources, ZERO_DIM_SAVED_WITH)
+        for rank, (got, expected) in enumerate(zip(resumed, saved[world])):
+            for source in sources:
+                local = got[source]["local"]
+                assert local.keys() == expected["local"].keys(), (world, source)
+                different = [k for k in local if not torch.equal(local[k], expected["local"][k])]
+                assert not different, (world, rank, source, different)
+        assert _worst(resumed[0][sources[0]]["final"], saved[world][0]["at6"]) == 0.0
+
+
+@pytest.mark.parametrize(
+    "saved_at,resumed_at,sources",
+    [(2, 3, ["z2", "plain-3.ckpt", "plain-3"]), (3, 2, ["z3", "z3-full.ckpt"]), (2, 1, ["z2"])],
+)
+def test_zero_dim_parameter_reshards(dist_pool, zero_dim, saved_at: int, resumed_at: int, sources: list[str]) -> None:
+    root, oracle, saved = zero_dim
+    resumed = dist_pool(resumed_at).run(check_zero_dim_resume, root, sources, ZERO_DIM_RESHARDED)[0]
+    for source in sources:
+        final = resumed[source]["final"]
+        reference = oracle[6] if source.startswith("plain") else saved[saved_at][0]["at6"]
+        assert _worst(final, reference) < RESHARD_TOLERANCE, source
+        assert _worst(final, oracle[6]) < RESHARD_TOLERANCE, source
+
+
+def test_zero_dim_parameter_keeps_its_shape_in_full_and_consolidated_files(zero_dim, tmp_path) -> None:
+    from lightning_ragged.consolidate import main
+
+    root, oracle, saved = zero_dim
+    assert main([f"{root}/z3", str(tmp_path / "z3.ckpt")]) == 0  # python -m lightning_ragged.consolidate
+    data = make_batches(6, BATCH)
+    for file, world in ((f"{root}/z2-full.ckpt", 2), (tmp_path / "z3.ckpt", 3)):
+        checkpoint = torch.load(file, weights_only=True)
+        assert checkpoint["state_dict"]["logit_scale"].shape == ()
+        plain = make_scaled_model(seed=9)
+        plain.load_state_dict(checkpoint["state_dict"], strict=True)
+        optimizer = torch.optim.AdamW(plain.parameters(), lr=1e-2)
+        optimizer.load_state_dict(checkpoint["optimizer_states"][0])  # torch's index-keyed layout
+        assert optimizer.state[plain.logit_scale]["exp_avg"].shape == ()
+        assert _worst(_plain_state(plain, optimizer), saved[world][0]["at3"]) == 0.0, file  # equal to the gather
+        for step in range(3, 6):  # and an ordinary resume from it continues the uninterrupted run
+            lm_loss(plain, data[step]).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        assert _worst(_plain_state(plain, optimizer), oracle[6]) < RESHARD_TOLERANCE, file
+
+
+def test_zero_dim_sharded_checkpoint_loads_into_a_plain_module(zero_dim) -> None:
+    root, _, saved = zero_dim
+    plain = make_scaled_model(seed=3)
+    optimizer = torch.optim.AdamW(plain.parameters(), lr=1e-2)
+    ck.load(f"{root}/z3", plain, [optimizer])
+    assert plain.logit_scale.shape == () and optimizer.state[plain.logit_scale]["exp_avg"].shape == ()
+    assert _worst(_plain_state(plain, optimizer), saved[3][0]["at3"]) == 0.0
+
+
+def test_zero_dim_parameter_under_a_ragged_optimizer_and_an_optimizer_of_its_own(dist_pool, tmp_path) -> None:
+    for same in dist_pool(2).run(check_zero_dim_other_optimizers, str(tmp_path)):
+        assert all(same.values()), same
 
 
 # ------------------------------------------------------------- bad checkpoints

@@ -44,16 +44,21 @@ RUN_TIMEOUT_S = 420
 
 
 class LitCkpt(L.LightningModule):
-    """AdamW with a step LR schedule (its state must be restored too); records the global mean loss."""
+    """AdamW with a step LR schedule (its state must be restored too); records the global mean loss.
+
+    The logits go through a learnable 0-D scale (a temperature), so every path here (resume,
+    full/compressed/async, consolidation, resharding) also carries a parameter of shape ``()``.
+    """
 
     def __init__(self, lr: float = 3e-2) -> None:
         super().__init__()
         self.save_hyperparameters()
         self.model = TinyGPT()
+        self.logit_scale = torch.nn.Parameter(torch.tensor(1.0))
         self.losses: list[float] = []
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.model(tokens)
+        return self.model(tokens) * self.logit_scale
 
     def training_step(self, batch, batch_idx: int) -> torch.Tensor:
         (tokens,) = batch
@@ -312,6 +317,7 @@ def test_consolidated_checkpoint_loads_without_lightning_ragged(runs) -> None:
         f"ref = torch.load({str(root / 'step4_full.pt')!r})\n"
         "assert 'lightning_ragged' not in sys.modules\n"
         "assert a.hparams.lr == 3e-2\n"
+        "assert a.logit_scale.shape == () and b['logit_scale'].shape == ()\n"
         "for k, v in ref.items():\n"
         "    assert torch.equal(a.state_dict()[k], v), k\n"
         "    assert torch.equal(b[k], v), k\n"

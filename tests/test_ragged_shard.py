@@ -75,3 +75,21 @@ def test_local_blocks_of_empty_and_partial_ranges():
     assert empty.local_blocks(16) == (0, 0)
     partial = _shard([(0, 8), (8, 24)], rank=1)
     assert partial.local_blocks(16) == (0, 2)  # touches the end of block 0 and all of block 1
+
+
+def test_zero_dim_tensor_is_one_box_in_its_own_shape():
+    # A 0-D tensor's one element is the box with offsets () and sizes () of the shape ().
+    assert flat_range_to_boxes((), 0, 1) == [((), ())]
+    assert flat_range_to_boxes((), 0, 0) == [] and flat_range_to_boxes((), 1, 1) == []
+    scalar = torch.tensor(2.5)
+    (offsets, sizes), = flat_range_to_boxes(scalar.shape, 0, 1)
+    piece = scalar[tuple(slice(o, o + s) for o, s in zip(offsets, sizes))]
+    assert piece.shape == () and piece is not None and piece.item() == 2.5  # indexing with () is the whole tensor
+    with pytest.raises(ValueError, match=r"\[0, 2\) is outside a tensor of shape \(\)"):
+        flat_range_to_boxes((), 0, 2)
+    # Sharded over 3 ranks, only the owner holds it: one box there, none elsewhere, no cut.
+    shards = [RaggedShard("scale", torch.Size([]), 1, ((0, 0), (0, 1), (1, 1)), rank) for rank in range(3)]
+    assert [shard.local_boxes() for shard in shards] == [[], [((), ())], []]
+    assert shards[0].numel == 1 and shards[0].owner() == 1 and shards[0].cut_offsets() == []
+    assert [shard.local_numel for shard in shards] == [0, 1, 0]
+    shards[0].require_blocks(16, "8-bit blocks")  # nothing to cut

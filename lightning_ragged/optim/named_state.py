@@ -132,9 +132,9 @@ class RaggedOptimizer(torch.optim.Optimizer):
         if not isinstance(value, torch.Tensor):
             return value
         value = value.to(param.device)
-        if layout == "flat":
+        if layout == "flat":  # the shard's 1-D shape, also where the rank holds the whole parameter
             if value.numel() == end - start:
-                return value.clone()
+                return value.reshape(-1).clone()
             if value.numel() == shard.numel:
                 return value.reshape(-1)[start:end].clone()
             raise ValueError(f"state {key!r} of {shard.name!r} has {value.numel()} values; expected {end - start} or {shard.numel}")

@@ -63,9 +63,15 @@ TARGET_RATIO = 0.9  # issue 2: ragged step time <= 0.9x FSDP2's
 
 
 # --------------------------------------------------------------------------- frameworks
-def build(name: str, cfg: GPTConfig, seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer]:
-    """The model wrapped by one framework, and a plain AdamW over what it exposes."""
-    model = make_gpt(cfg, seed)
+ModelFactory = Callable[[GPTConfig, int], nn.Module]
+"""``(cfg, seed) -> model``: the unwrapped model every framework starts from (``make_gpt`` here)."""
+
+
+def build(
+    name: str, cfg: GPTConfig, seed: int = 0, make_model: ModelFactory = make_gpt
+) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """The model wrapped by one framework, and a plain AdamW over the trainable parameters it exposes."""
+    model = make_model(cfg, seed)
     if name == "ragged":
         import lightning_ragged
 
@@ -80,7 +86,7 @@ def build(name: str, cfg: GPTConfig, seed: int = 0) -> tuple[nn.Module, torch.op
         model = nn.parallel.DistributedDataParallel(model)
     elif name != "local":
         raise ValueError(name)
-    return model, torch.optim.AdamW(model.parameters(), lr=LR)
+    return model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR)
 
 
 def local_batch(batches: torch.Tensor, step: int, rank: int) -> torch.Tensor:
@@ -133,9 +139,11 @@ def _tensor_bytes(value: Any) -> int:
     return 0
 
 
-def count_pass(name: str, cfg: GPTConfig, batches: torch.Tensor, rank: int) -> dict[str, Any]:
+def count_pass(
+    name: str, cfg: GPTConfig, batches: torch.Tensor, rank: int, make_model: ModelFactory = make_gpt
+) -> dict[str, Any]:
     """Copies and collectives of one forward+backward (after a warm-up step) of a fresh model."""
-    model, optimizer = build(name, cfg)
+    model, optimizer = build(name, cfg, make_model=make_model)
     train_step(model, optimizer, local_batch(batches, 0, rank))
     optimizer.zero_grad(set_to_none=True)
     with CopyAndCommCounter() as counter:
@@ -160,6 +168,7 @@ def count_pass(name: str, cfg: GPTConfig, batches: torch.Tensor, rank: int) -> d
             "all_gather_bytes": stats.all_gather_bytes,
             "reduces": stats.reduces,
             "reduce_bytes": stats.reduce_bytes,
+            "flag_syncs": stats.flag_syncs,
         }
     del model, optimizer
     gc.collect()
@@ -167,13 +176,15 @@ def count_pass(name: str, cfg: GPTConfig, batches: torch.Tensor, rank: int) -> d
 
 
 # --------------------------------------------------------------------------- memory
-def memory_pass(name: str, cfg: GPTConfig, batches: torch.Tensor, rank: int) -> dict[str, int]:
+def memory_pass(
+    name: str, cfg: GPTConfig, batches: torch.Tensor, rank: int, make_model: ModelFactory = make_gpt
+) -> dict[str, int]:
     """Live CPU tensor bytes at rest and at the peak of a steady-state step (profiler memory events)."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
     gc.collect()
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        model, optimizer = build(name, cfg)
+        model, optimizer = build(name, cfg, make_model=make_model)
         with record_function("bench::build_done"):
             pass
         train_step(model, optimizer, local_batch(batches, 0, rank))  # creates optimizer state
@@ -231,27 +242,40 @@ def profile_rank(rank: int, cfg: GPTConfig, opts: dict[str, Any]) -> dict[str, A
 
 
 # --------------------------------------------------------------------------- worker
-def worker(rank: int, init_file: str, cfg: GPTConfig, opts: dict[str, Any], out_path: str) -> None:
+RankFn = Callable[[int, GPTConfig, dict[str, Any]], dict[str, Any]]
+"""``(rank, cfg, opts) -> result``: what each rank runs; rank 0's result is kept."""
+
+
+def worker(
+    rank: int, init_file: str, cfg: GPTConfig, opts: dict[str, Any], out_path: str, rank_fn: RankFn | None = None
+) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD_SIZE)
     try:
-        result = profile_rank(rank, cfg, opts) if opts.get("profile") else run_rank(rank, cfg, opts)
+        if rank_fn is None:
+            rank_fn = profile_rank if opts.get("profile") else run_rank
+        result = rank_fn(rank, cfg, opts)
         if rank == 0:
             Path(out_path).write_text(json.dumps(result))
     finally:
         dist.destroy_process_group()
 
 
-def run_rank(rank: int, cfg: GPTConfig, opts: dict[str, Any]) -> dict[str, Any]:
+def timed_rounds(
+    frameworks: dict[str, tuple[nn.Module, torch.optim.Optimizer]], batches: torch.Tensor, rank: int, opts: dict[str, Any]
+) -> dict[str, dict[str, list[float]]]:
+    """Warm up each framework, then ``rounds`` rounds of ``steps`` timed steps each, order rotated per round.
+
+    Returns per framework: ``losses`` (this rank's local loss of every step, warm-up included),
+    ``times`` (timed steps only), ``fwd_bwd`` and ``opt`` (the two parts of each timed step).
+    """
     warmup, rounds, steps = opts["warmup"], opts["rounds"], opts["steps"]
-    total_steps = warmup + rounds * steps
-    batches = make_batches(total_steps + 3, WORLD_SIZE * opts["batch"], cfg)
-    frameworks = {name: build(name, cfg) for name in FRAMEWORKS}
-    step_index = dict.fromkeys(FRAMEWORKS, 0)
-    losses: dict[str, list[float]] = {name: [] for name in FRAMEWORKS}
-    times: dict[str, list[float]] = {name: [] for name in FRAMEWORKS}
-    fwd_bwd: dict[str, list[float]] = {name: [] for name in FRAMEWORKS}
-    opt_times: dict[str, list[float]] = {name: [] for name in FRAMEWORKS}
+    names = tuple(frameworks)
+    step_index = dict.fromkeys(names, 0)
+    losses: dict[str, list[float]] = {name: [] for name in names}
+    times: dict[str, list[float]] = {name: [] for name in names}
+    fwd_bwd: dict[str, list[float]] = {name: [] for name in names}
+    opt_times: dict[str, list[float]] = {name: [] for name in names}
 
     def run(name: str, count: int, timed: bool) -> None:
         model, optimizer = frameworks[name]
@@ -267,12 +291,22 @@ def run_rank(rank: int, cfg: GPTConfig, opts: dict[str, Any]) -> dict[str, Any]:
                 fwd_bwd[name].append(fb)
                 opt_times[name].append(op)
 
-    for name in FRAMEWORKS:
+    for name in names:
         run(name, warmup, timed=False)
     for round_index in range(rounds):
-        shift = round_index % len(FRAMEWORKS)
-        for name in FRAMEWORKS[shift:] + FRAMEWORKS[:shift]:
+        shift = round_index % len(names)
+        for name in names[shift:] + names[:shift]:
             run(name, steps, timed=True)
+    return {"losses": losses, "times": times, "fwd_bwd": fwd_bwd, "opt": opt_times}
+
+
+def run_rank(rank: int, cfg: GPTConfig, opts: dict[str, Any]) -> dict[str, Any]:
+    warmup, rounds, steps = opts["warmup"], opts["rounds"], opts["steps"]
+    total_steps = warmup + rounds * steps
+    batches = make_batches(total_steps + 3, WORLD_SIZE * opts["batch"], cfg)
+    frameworks = {name: build(name, cfg) for name in FRAMEWORKS}
+    timed = timed_rounds(frameworks, batches, rank, opts)
+    losses, times, fwd_bwd, opt_times = timed["losses"], timed["times"], timed["fwd_bwd"], timed["opt"]
     del frameworks
     gc.collect()
 
@@ -300,6 +334,16 @@ def run_rank(rank: int, cfg: GPTConfig, opts: dict[str, Any]) -> dict[str, Any]:
 # --------------------------------------------------------------------------- report
 def mib(nbytes: float) -> str:
     return f"{nbytes / 2**20:,.1f}"
+
+
+def machine_line(load: tuple[float, ...], wall: float) -> str:
+    """The run conditions: machine, versions, and how loaded the shared machine was (from ``launch``)."""
+    return (
+        f"Machine: {platform.platform()}, {platform.machine()}, {os.cpu_count()} CPUs (shared with other jobs), "
+        f"Python {platform.python_version()}, torch {torch.__version__}. "
+        f"1-minute load average {load[0]:.2f} at the start; sampled every 5 s during the run: min {load[1]:.2f}, "
+        f"mean {load[2]:.2f}, max {load[3]:.2f} (the benchmark itself contributes ~2); wall time {wall:.0f} s."
+    )
 
 
 def render(result: dict[str, Any], cfg: GPTConfig, opts: dict[str, Any], load: tuple[float, ...], wall: float) -> str:
@@ -344,10 +388,7 @@ def render(result: dict[str, Any], cfg: GPTConfig, opts: dict[str, Any], load: t
         "Written by `benchmarks/engine_bench.py`"
         + (" (`--quick` smoke run: too few steps to trust)" if opts["quick"] else "")
         + ".",
-        f"Machine: {platform.platform()}, {platform.machine()}, {os.cpu_count()} CPUs (shared with other jobs), "
-        f"Python {platform.python_version()}, torch {torch.__version__}. "
-        f"1-minute load average {load[0]:.2f} at the start; sampled every 5 s during the run: min {load[1]:.2f}, "
-        f"mean {load[2]:.2f}, max {load[3]:.2f} (the benchmark itself contributes ~2); wall time {wall:.0f} s.",
+        machine_line(load, wall),
         f"Model: GPT, vocab {cfg.vocab}, width {cfg.width}, {cfg.layers} blocks, {cfg.heads} heads, seq {cfg.seq}, "
         f"untied head, {result['params'] / 1e6:.1f}M parameters (fp32). Batch {opts['batch']} sequences per rank, "
         f"AdamW(lr={LR}) defaults, `torch.set_num_threads(1)` per rank, 2 ranks on the 2 cores.",
@@ -444,6 +485,34 @@ def render(result: dict[str, Any], cfg: GPTConfig, opts: dict[str, Any], load: t
     return "\n".join(lines)
 
 
+def launch(
+    cfg: GPTConfig, opts: dict[str, Any], rank_fn: RankFn | None = None
+) -> tuple[dict[str, Any], tuple[float, float, float, float], float]:
+    """Spawn the ranks, run ``rank_fn`` (default: the engine benchmark) on each, and sample the load meanwhile.
+
+    Returns rank 0's result, the 1-minute load average (at the start, min, mean, max of the
+    5-second samples) and the wall time in seconds.
+    """
+    load_samples = [os.getloadavg()[0]]
+    done = threading.Event()
+
+    def sample_load() -> None:  # the machine is shared: record how busy it was during the run
+        while not done.wait(5.0):
+            load_samples.append(os.getloadavg()[0])
+
+    sampler = threading.Thread(target=sample_load, daemon=True)
+    sampler.start()
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        out_path = os.path.join(tmp, "result.json")
+        mp.spawn(worker, args=(os.path.join(tmp, "pg"), cfg, opts, out_path, rank_fn), nprocs=WORLD_SIZE, join=True)
+        result = json.loads(Path(out_path).read_text())
+    wall = time.perf_counter() - started
+    done.set()
+    load = (load_samples[0], min(load_samples), statistics.mean(load_samples), max(load_samples))
+    return result, load, wall
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="short smoke run (1 warm-up, 2 rounds x 2 steps)")
@@ -465,23 +534,7 @@ def main() -> None:
             "profile": args.profile, "profile_frameworks": args.profile_frameworks.split(","),
             "profile_stack": args.profile_stack}
 
-    load_samples = [os.getloadavg()[0]]
-    done = threading.Event()
-
-    def sample_load() -> None:  # the machine is shared: record how busy it was during the run
-        while not done.wait(5.0):
-            load_samples.append(os.getloadavg()[0])
-
-    sampler = threading.Thread(target=sample_load, daemon=True)
-    sampler.start()
-    started = time.perf_counter()
-    with tempfile.TemporaryDirectory() as tmp:
-        out_path = os.path.join(tmp, "result.json")
-        mp.spawn(worker, args=(os.path.join(tmp, "pg"), cfg, opts, out_path), nprocs=WORLD_SIZE, join=True)
-        result = json.loads(Path(out_path).read_text())
-    wall = time.perf_counter() - started
-    done.set()
-    load = (load_samples[0], min(load_samples), statistics.mean(load_samples), max(load_samples))
+    result, load, wall = launch(cfg, opts)
     if args.profile:
         print(json.dumps(result), f"-> op tables and traces in {args.profile}")
         return

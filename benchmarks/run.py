@@ -31,6 +31,7 @@ from report import HEADER, write_section  # noqa: E402
 
 PARTS = [
     ("engine", "benchmarks/engine_bench.py", "fully_shard vs FSDP2 vs DDP: step time, copies, memory"),
+    ("lora", "benchmarks/lora_bench.py", "LoRA fine-tuning (frozen base): fully_shard vs FSDP2 vs DDP"),
     ("trainer", "benchmarks/trainer_bench.py", "the Lightning Trainer path: ragged_fsdp vs ModelParallel vs DDP"),
     ("optimizers", "benchmarks/optim_bench.py", "matrix optimizers on ragged shards vs their oracles"),
     ("checkpoints", "benchmarks/checkpoint_bench.py", "sharded DCP save/load vs full checkpoints"),

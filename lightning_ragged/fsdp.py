@@ -28,7 +28,7 @@ from lightning_ragged.fsdp_module import make_fsdp_module
 from lightning_ragged.granularity import GranularityPolicy, resolve_granularity
 from lightning_ragged.grouping import GroupSpec, ParamGroupPlan, parameter_slots, plan_groups, split_into_buckets
 from lightning_ragged.planning import TensorSpec, plan
-from lightning_ragged.runtime import RaggedFSDPState
+from lightning_ragged.runtime import RaggedFSDPState, eager
 from lightning_ragged.shard_group import ShardGroup
 
 DEFAULT_DBUFFER_SIZE = 256 * 2**20
@@ -253,33 +253,28 @@ def _install_hooks(state: RaggedFSDPState) -> None:
         state.root_post_forward()
 
     handles = state.handles
-    handles.append(root.register_forward_pre_hook(_disabled(root_pre_hook), with_kwargs=True))
-    handles.append(root.register_forward_hook(_disabled(root_post_hook), always_call=True))
+    handles.append(root.register_forward_pre_hook(eager(root_pre_hook), with_kwargs=True))
+    handles.append(root.register_forward_hook(eager(root_post_hook), always_call=True))
     for group in state.all_groups:
         if group.is_root:
             owners = {id(owner): owner for owner, *_ in group.slots if owner is not root}
             for owner in owners.values():
                 handles.append(owner.register_forward_pre_hook(
-                    _disabled(lambda _m, args, kwargs, g=group: state.pre_forward(g, args, kwargs)), with_kwargs=True
+                    eager(lambda _m, args, kwargs, g=group: state.pre_forward(g, args, kwargs)), with_kwargs=True
                 ))
                 handles.append(owner.register_forward_hook(
-                    _disabled(lambda _m, _a, output, g=group: state.hook_backward(g, output))
+                    eager(lambda _m, _a, output, g=group: state.hook_backward(g, output))
                 ))
         else:
             handles.append(group.module.register_forward_pre_hook(
-                _disabled(lambda _m, args, kwargs, g=group: state.pre_forward(g, args, kwargs)), with_kwargs=True
+                eager(lambda _m, args, kwargs, g=group: state.pre_forward(g, args, kwargs)), with_kwargs=True
             ))
             handles.append(group.module.register_forward_hook(
-                _disabled(lambda _m, _a, output, g=group: state.post_forward(g, output))
+                eager(lambda _m, _a, output, g=group: state.post_forward(g, output))
             ))
         for bucket, name, param in group.unsharded_params():
             if param.requires_grad:
                 state.hook_grad(bucket, name, param)
-
-
-def _disabled(hook: Any) -> Any:
-    """Keep an engine hook out of ``torch.compile``'s graphs (it allocates, frees and issues collectives)."""
-    return torch.compiler.disable(hook, recursive=True)
 
 
 def get_state(module: nn.Module) -> RaggedFSDPState:

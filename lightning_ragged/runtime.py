@@ -52,6 +52,8 @@ class RaggedFSDPState:
         self._hooked: set[int] = set()
         self.handles: list[Any] = []
         """Hook handles, removed when a parent ``fully_shard`` call adopts these groups."""
+        self._end_of_backward_hook = eager(self._end_of_backward)
+        self._pre_backward_hooks = {id(g): eager(lambda _grads, g=g: self.pre_backward(g)) for g in groups}
 
     @property
     def groups(self) -> list[ShardGroup]:
@@ -128,7 +130,8 @@ class RaggedFSDPState:
             return
         self._hooked.add(id(param))
         group = next(g for g in self.all_groups if bucket in g.buckets)
-        self.handles.append(param.register_post_accumulate_grad_hook(lambda _p: self.grad_arrived(group, bucket, name)))
+        hook = eager(lambda _p: self.grad_arrived(group, bucket, name))
+        self.handles.append(param.register_post_accumulate_grad_hook(hook))
 
     # ---------------------------------------------------------------- forward
     def pre_forward(self, group: ShardGroup, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -163,7 +166,7 @@ class RaggedFSDPState:
     def hook_backward(self, group: ShardGroup, output: Any) -> None:
         tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
         if tensors:
-            torch.autograd.graph.register_multi_grad_hook(tensors, lambda _: self.pre_backward(group), mode="any")
+            torch.autograd.graph.register_multi_grad_hook(tensors, self._pre_backward_hooks[id(group)], mode="any")
 
     def _register_post_backward(self, group: ShardGroup, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         flat, spec = tree_flatten((args, kwargs))
@@ -213,7 +216,7 @@ class RaggedFSDPState:
     def pre_backward(self, group: ShardGroup) -> None:
         if not self._in_backward:
             self._in_backward = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward_hook)
         if group.backward_prepared:
             return  # already prepared by an earlier output hook of this backward
         group.prepare_backward()
@@ -299,6 +302,15 @@ class RaggedFSDPState:
         """Free unsharded buffers (all groups by default), e.g. after an evaluation forward."""
         for group in self.all_groups if groups is None else groups:
             group.reshard()
+
+
+def eager(hook: Any) -> Any:
+    """Keep an engine hook out of ``torch.compile``'s graphs (it allocates, frees and issues collectives).
+
+    Wrap the callable handed to torch, not the methods it calls: a closure defined here is
+    user code to Dynamo, which would trace it and break the graph at the disabled call.
+    """
+    return torch.compiler.disable(hook, recursive=True)
 
 
 def _autograd_running() -> bool:

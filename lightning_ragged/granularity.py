@@ -39,12 +39,25 @@ def resolve_granularity(policy: GranularityPolicy, name: str, param: torch.Tenso
     if policy == "row":
         return min(row_numel(param.shape), numel)
     if policy == "block":
-        if not isinstance(block_rows, int) or block_rows < 1:
-            raise ValueError(f"block_rows={block_rows!r} is invalid; pass a positive int such as 128")
+        check_block_rows(block_rows)
         return min(block_rows * row_numel(param.shape), numel)
     if policy == "matrix":
         return numel
+    check_policy(policy)
+    raise AssertionError(f"unhandled shard_granularity {policy!r}")  # a name in POLICIES without a branch
+
+
+def check_policy(policy: object) -> None:
+    """Refuse what is neither one of ``POLICIES`` nor a callable (``ValueError`` naming the choices)."""
+    if callable(policy) or (isinstance(policy, str) and policy in POLICIES):
+        return
     raise ValueError(
         f"shard_granularity={policy!r} is not supported; use one of {POLICIES} or a callable "
         "(name, param) -> granularity in elements"
     )
+
+
+def check_block_rows(block_rows: object) -> None:
+    """``block_rows`` must be a positive int (not a bool)."""
+    if not isinstance(block_rows, int) or isinstance(block_rows, bool) or block_rows < 1:
+        raise ValueError(f"block_rows={block_rows!r} is invalid; pass a positive int such as 128")

@@ -6,11 +6,15 @@ Nothing here runs on the training thread except two attribute assignments per st
 * every rank runs a daemon *heartbeat* thread that writes ``{"step", "last_step", "start"}``
   (wall-clock seconds) under ``ragged_fsdp/heartbeat/<rank>`` in the default
   ``torch.distributed`` store every ``heartbeat_interval`` seconds;
-* rank 0 runs a ``ThreadingHTTPServer`` in a daemon thread, bound to ``address``
-  (default loopback). ``/health`` reads the heartbeats (a rank *reports* when its last
-  step, or its start before the first step, is at most ``health_timeout`` seconds old;
-  clocks are compared across hosts, so keep them in NTP sync) and answers 200 while every
-  rank reports, 503 otherwise. ``/metrics`` renders, with ``prometheus_client``, the
+* rank 0 runs an HTTP server in a daemon thread, bound to ``address`` (default
+  loopback). It is bounded (``_BoundedHTTPServer``): an idle connection costs no thread
+  and is closed after ``connection_timeout`` seconds (at most ``max_idle_connections``
+  wait, the oldest is closed first); at most ``max_connections`` requests are served at
+  once, each with that socket timeout; a request beyond them gets a quick 503.
+  ``/health`` reads the heartbeats (a rank *reports* when its last step, or its start
+  before the first step, is at most ``health_timeout`` seconds old; clocks are compared
+  across hosts, so keep them in NTP sync) and answers 200 while every rank reports, 503
+  otherwise. ``/metrics`` renders, with ``prometheus_client``, the
   cumulative counters (read live) and the per-step gauges of the last logging window.
 
 ``RaggedFSDPMetrics(monitor_port=...)`` starts it at ``on_fit_start`` and stops it at
@@ -20,11 +24,13 @@ Nothing here runs on the training thread except two attribute assignments per st
 from __future__ import annotations
 
 import json
+import selectors
 import socket
+import sys
 import threading
 import time
 import warnings
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler, HTTPServer
 from typing import Any, Iterator, Optional
 
 import torch.distributed as dist
@@ -55,8 +61,21 @@ class Monitor:
         heartbeat_interval: float = 5.0,
         serve: bool = True,
         global_step: int = 0,
+        connection_timeout: float = 10.0,
+        max_connections: int = 8,
+        max_idle_connections: int = 64,
     ) -> None:
+        if not isinstance(connection_timeout, (int, float)) or isinstance(connection_timeout, bool) or not (
+            connection_timeout > 0
+        ):
+            raise ValueError(f"connection_timeout={connection_timeout!r} must be positive seconds, e.g. 10.0")
+        for name, value in (("max_connections", max_connections), ("max_idle_connections", max_idle_connections)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name}={value!r} must be a positive int, e.g. 8")
         self.metrics = metrics
+        self.connection_timeout = float(connection_timeout)
+        self.max_connections = max_connections
+        self.max_idle_connections = max_idle_connections
         self.requested_port = port
         self.address = address
         self.health_timeout = health_timeout
@@ -72,7 +91,7 @@ class Monitor:
         self._store = _store()
         self._stop = threading.Event()
         self._heartbeat: Optional[threading.Thread] = None
-        self._server: Optional[ThreadingHTTPServer] = None
+        self._server: Optional[_BoundedHTTPServer] = None
         self._server_thread: Optional[threading.Thread] = None
 
     # --------------------------------------------------- training thread
@@ -101,9 +120,15 @@ class Monitor:
             pass
 
         Handler.monitor = monitor
-        server_class = _IPv6Server if ":" in self.address else ThreadingHTTPServer
+        server_class = _IPv6Server if ":" in self.address else _BoundedHTTPServer
         try:
-            self._server = server_class((self.address, self.requested_port), Handler)
+            self._server = server_class(
+                (self.address, self.requested_port),
+                Handler,
+                max_connections=self.max_connections,
+                connection_timeout=self.connection_timeout,
+                max_idle_connections=self.max_idle_connections,
+            )
         except OSError as error:
             warnings.warn(
                 f"lightning_ragged monitor: cannot bind {self.address}:{self.requested_port} ({error}); "
@@ -113,7 +138,6 @@ class Monitor:
             )
             self._server = None
             return
-        self._server.daemon_threads = True
         self.port = self._server.server_address[1]
         self._server_thread = threading.Thread(
             target=self._server.serve_forever, kwargs={"poll_interval": 0.1}, name="ragged-fsdp-monitor", daemon=True
@@ -270,5 +294,146 @@ class _Handler(BaseHTTPRequestHandler):
         pass  # no access log on the training job's stderr
 
 
-class _IPv6Server(ThreadingHTTPServer):
+_BUSY_BODY = b"busy: too many connections to the lightning_ragged monitor; retry\n"
+_BUSY = (
+    b"HTTP/1.0 503 Service Unavailable\r\nContent-Type: text/plain\r\nRetry-After: 1\r\nConnection: close\r\n"
+    + f"Content-Length: {len(_BUSY_BODY)}\r\n\r\n".encode()
+    + _BUSY_BODY
+)
+
+
+class _BoundedHTTPServer(HTTPServer):
+    """An HTTP server whose idle connections cost no thread and whose handler threads are bounded.
+
+    The serving thread waits, in one selector, for new connections and for the first bytes
+    of every accepted one. A connection gets a handler thread only once its request has
+    arrived, at most ``max_connections`` at once, and its socket then has the timeout
+    ``connection_timeout``; a request arriving while all are busy is answered 503 at once.
+    A connection that sends nothing is closed after ``connection_timeout`` seconds; beyond
+    ``max_idle_connections`` waiting ones the oldest is closed. ``server_close`` does not
+    wait for handler threads (each ends within its timeout).
+    """
+
+    request_queue_size = 128  # the listen backlog (socketserver's 5 drops SYNs of a burst of clients)
+
+    def __init__(
+        self,
+        address: Any,
+        handler: Any,
+        *,
+        max_connections: int = 8,
+        connection_timeout: float = 10.0,
+        max_idle_connections: int = 64,
+    ) -> None:
+        super().__init__(address, handler)
+        self.max_connections = max_connections
+        self.connection_timeout = connection_timeout
+        self.max_idle_connections = max_idle_connections
+        self._slots = threading.BoundedSemaphore(max_connections)
+        self._idle: dict[socket.socket, tuple[float, Any]] = {}  # accepted, no request yet; oldest first
+        self._selector = selectors.DefaultSelector()
+        self._stopping = threading.Event()
+        self._stopped = threading.Event()
+
+    def serve_forever(self, poll_interval: float = 0.5) -> None:
+        try:
+            self._selector.register(self.socket, selectors.EVENT_READ)
+            while not self._stopping.is_set():
+                for key, _ in self._selector.select(poll_interval):
+                    if self._stopping.is_set():
+                        break
+                    if key.fileobj is self.socket:
+                        self._accept()
+                    else:
+                        self._dispatch(key.fileobj)  # type: ignore[arg-type]
+                self._close_expired()
+        finally:
+            self._stopped.set()
+
+    def shutdown(self) -> None:
+        """Stop ``serve_forever`` (running in another thread) and wait until it returned."""
+        self._stopping.set()
+        self._stopped.wait()
+
+    def server_close(self) -> None:
+        super().server_close()
+        for request in list(self._idle):
+            self._forget(request)
+            self.shutdown_request(request)
+        self._selector.close()
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        if isinstance(sys.exc_info()[1], OSError):
+            return  # a client that timed out or went away: nothing to report on the job's stderr
+        super().handle_error(request, client_address)
+
+    # ------------------------------------------------------ serving thread
+    def _accept(self) -> None:
+        try:
+            request, client_address = self.get_request()
+        except OSError:
+            return
+        if len(self._idle) >= self.max_idle_connections:
+            oldest = next(iter(self._idle))
+            self._forget(oldest)
+            self.shutdown_request(oldest)
+        self._idle[request] = (time.monotonic() + self.connection_timeout, client_address)
+        self._selector.register(request, selectors.EVENT_READ)
+
+    def _dispatch(self, request: socket.socket) -> None:
+        _, client_address = self._forget(request)
+        if not self._slots.acquire(blocking=False):
+            self._refuse(request)
+            return
+        try:
+            threading.Thread(
+                target=self._handle, args=(request, client_address), name="ragged-fsdp-monitor-request", daemon=True
+            ).start()
+        except RuntimeError:  # no thread to be had
+            self._slots.release()
+            self.shutdown_request(request)
+
+    def _refuse(self, request: socket.socket) -> None:
+        try:
+            request.setblocking(False)
+            for _ in range(16):  # read what arrived, so that closing sends FIN (the client reads the 503), not RST
+                if not request.recv(65536):
+                    break
+        except OSError:
+            pass
+        try:
+            request.send(_BUSY)
+        except OSError:
+            pass
+        self.shutdown_request(request)
+
+    def _close_expired(self) -> None:
+        now = time.monotonic()
+        while self._idle:
+            request, (deadline, _) = next(iter(self._idle.items()))
+            if deadline > now:
+                break
+            self._forget(request)
+            self.shutdown_request(request)
+
+    def _forget(self, request: socket.socket) -> tuple[float, Any]:
+        try:
+            self._selector.unregister(request)
+        except (KeyError, ValueError):
+            pass
+        return self._idle.pop(request, (0.0, None))
+
+    # ------------------------------------------------------ handler thread
+    def _handle(self, request: socket.socket, client_address: Any) -> None:
+        try:
+            request.settimeout(self.connection_timeout)
+            self.finish_request(request, client_address)
+        except Exception:  # noqa: BLE001 - as socketserver.ThreadingMixIn
+            self.handle_error(request, client_address)
+        finally:
+            self.shutdown_request(request)
+            self._slots.release()
+
+
+class _IPv6Server(_BoundedHTTPServer):
     address_family = socket.AF_INET6

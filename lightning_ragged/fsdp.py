@@ -30,6 +30,7 @@ from lightning_ragged.grouping import GroupSpec, ParamGroupPlan, parameter_slots
 from lightning_ragged.planning import TensorSpec, plan
 from lightning_ragged.runtime import RaggedFSDPState, eager
 from lightning_ragged.shard_group import ShardGroup
+from lightning_ragged.state_sync import BufferSync, sync_params_and_buffers
 
 DEFAULT_DBUFFER_SIZE = 256 * 2**20
 VIEW_ALIGNMENT_BYTES = 16
@@ -51,6 +52,8 @@ def fully_shard(
     reduce_mode: str | None = None,
     alignment: int | None = None,
     device: torch.device | str | None = None,
+    sync_module_states: bool = True,
+    broadcast_buffers: bool = True,
 ) -> nn.Module:
     """Shard ``module``'s parameters over ``process_group`` with ragged, structure-aware shards.
 
@@ -64,6 +67,12 @@ def fully_shard(
     ("all_reduce" on gloo, "reduce_scatter" elsewhere). ``alignment``: every parameter
     view starts at a multiple of this many elements (default: 16 bytes). ``device`` places
     the buffers (required for a model on the meta device, whose shards start uninitialized).
+    ``sync_module_states`` (FSDP1's name; default True, as DDP): every rank starts from rank 0's
+    parameters (one flat scatter per DBuffer; HSDP replicas take replica 0's) and buffers, so
+    an unseeded init is not a patchwork of every rank's; skipped on the meta device.
+    ``broadcast_buffers`` (DDP's name and default): broadcast the buffers (e.g. BatchNorm
+    running statistics) from rank 0 before each root forward that follows a synchronized
+    training step; nothing is issued for a model without buffers. See ``state_sync.py``.
     """
     existing = module.__dict__.get("_ragged_fsdp_state")
     if existing is not None:
@@ -76,6 +85,9 @@ def fully_shard(
         raise RuntimeError("fully_shard needs torch.distributed initialized (e.g. dist.init_process_group('gloo'))")
     world_size = dist.get_world_size(process_group)
     reshard_after_forward = _check_reshard_after_forward(reshard_after_forward, world_size)
+    for knob, flag in (("sync_module_states", sync_module_states), ("broadcast_buffers", broadcast_buffers)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{knob}={flag!r} must be a bool: pass {knob}=True or {knob}=False")
     children = _child_states(module)
     if children and group_modules is not None:
         raise ValueError(
@@ -111,6 +123,7 @@ def fully_shard(
     partial_group = _partial_group(process_group, reshard_after_forward)
 
     new_groups = []
+    built: list[tuple[DBuffer, list[tuple[str, nn.Parameter]]]] = []
     for group_plan in group_plans:
         buckets, slots = [], []
         for bucket_params in _bucket_params(group_plan, dbuffer_size):
@@ -135,6 +148,7 @@ def fully_shard(
             if partial_group is not None:
                 bucket.set_partial_group(partial_group, reshard_after_forward)
             buckets.append(bucket)
+            built.append((bucket, bucket_params))
             for name, param in bucket_params:
                 slots += [(owner, attr, bucket, name) for _, owner, attr in slots_by_param[id(param)]]
         is_root = group_plan.module is None or group_plan.module is module
@@ -144,7 +158,11 @@ def fully_shard(
         group.mp_policy = mp_policy
         new_groups.append(group)
 
+    if sync_module_states:
+        sync_params_and_buffers(module, iter(built), process_group, replicate_group)
+    del built
     state = RaggedFSDPState(module, _in_module_order(module, adopted + new_groups), stats)
+    state.buffer_sync = BufferSync(module, process_group, replicate_group) if broadcast_buffers else None
     for group in new_groups:
         group.reshard()
     _install_hooks(state)

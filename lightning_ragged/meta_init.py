@@ -6,29 +6,52 @@ uninitialized. ``materialize_meta_module`` fills them group by group:
 1. allocate one full, master-dtype buffer for a group (its planned layout, so every
    parameter is a view at its planned offset),
 2. point the modules' parameter slots at those full views,
-3. call ``reset_parameters()`` of the modules in **module order** under a seed shared by
-   all ranks (so each rank computes the same full tensors),
+3. replay an eager construction's initialization calls under a seed shared by all ranks
+   (so each rank computes the same full tensors): ``reset_parameters()`` of the modules
+   as their ``__init__`` calls them (leaves in module order), and for a Hugging Face
+   ``PreTrainedModel`` its ``post_init`` initialization, ``_initialize_weights(module)``
+   children first with the model's own ``_init_weights`` (which also recomputes
+   non-persistent buffers such as the rotary ``inv_freq``); see ``init_replay.py``,
 4. copy this rank's segment into ``bucket.sharded`` and free the buffer.
 
-A group's buffer is released right after the last module that touches it, so peak
-memory is the shards plus the groups being initialized (one block group, and the root
-group when its modules surround the blocks, e.g. embedding before and head after).
-Calling ``reset_parameters`` in module order reproduces an eager construction with the
-same seed for models whose parameters all come from modules that initialize themselves
-in ``reset_parameters`` (``nn.Linear``, ``nn.Embedding``, ``nn.LayerNorm``...).
+**What matches.** The replay makes the same calls, on tensors of the same shapes, dtypes
+and device, in the same order as ``torch.manual_seed(seed)`` followed by building the model
+on ``device``: the result is bit for bit the eager init for models whose random draws all
+come from ``reset_parameters()`` and ``_init_weights`` (torch layers, ``transformers``
+Llama, tied or not). Not replayed: random numbers a module draws directly in its
+``__init__`` (``nn.Parameter(torch.randn(...))``, GPT-2's ``Conv1D``): such a model is still
+initialized (when ``_init_weights`` covers those tensors) but its stream is offset. An
+eager build on CPU matches a materialization on CPU (CUDA draws from another generator).
+
+A dry run of the calls on meta tensors (no memory, no random numbers) records which
+tensors each call writes; a write that a later call overwrites unread goes to a scratch
+tensor of the same shape (the same draws, discarded, as in eager), so a group's buffer
+lives only from its first to its last needed call: peak memory is the shards plus the
+groups being initialized (one block group, and the root group when its modules surround
+the blocks, e.g. embedding before and head after). The dry run also names the tensors
+nothing initializes.
 """
 
 from __future__ import annotations
 
+import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from lightning_ragged.fsdp import get_state
+from lightning_ragged.init_replay import (
+    InitEvent,
+    Trace,
+    eager_init_events,
+    has_hf_init,
+    tied_target_slots,
+    trace_events,
+)
 from lightning_ragged.shard_group import ShardGroup
 
 
@@ -58,6 +81,12 @@ class MaterializeReport:
     peak_full_bytes: int = 0
     peak_open_groups: int = 0
     largest_group_bytes: int = 0
+    events: int = 0
+    """Initialization calls replayed (``reset_parameters`` and Hugging Face ``_initialize_weights``)."""
+    dead_writes: int = 0
+    """(call, tensor) writes sent to a scratch tensor because a later call overwrites them unread."""
+    traced: bool = True
+    """False when the meta dry run failed: every group was open for the whole replay."""
 
 
 def materialize_meta_module(
@@ -65,40 +94,102 @@ def materialize_meta_module(
 ) -> MaterializeReport:
     """Initialize the shards (and meta buffers) of a module sharded from the meta device.
 
-    ``seed`` defaults to ``shared_seed()``; the global RNG state is left untouched.
-    Returns how many full-buffer bytes and groups were alive at the peak.
-    Raises ``RuntimeError`` naming the parameters or buffers that no module's
-    ``reset_parameters`` would initialize (they would otherwise hold garbage).
+    Replays an eager construction's initialization calls (``init_replay.eager_init_events``:
+    ``reset_parameters()`` of the modules as their ``__init__`` calls them, and each Hugging
+    Face ``PreTrainedModel``'s ``post_init`` initialization with its own ``_init_weights``)
+    under ``seed`` (default ``shared_seed()``), group by group; the global RNG state is left
+    untouched. Returns how many full-buffer bytes and groups were alive at the peak.
+    Raises ``RuntimeError`` naming the parameters or buffers that nothing would initialize
+    (they would otherwise hold garbage).
     """
     device = torch.device(device)
     state = get_state(module)
     groups = state.all_groups
+    events = eager_init_events(module)
+    tied = tied_target_slots(module)
+    meta_buffers = {(id(sub), attr) for sub in module.modules() for attr, b in sub._buffers.items()
+                    if b is not None and b.is_meta}
+    trace = _dry_run(module, groups, events, tied)
     _materialize_buffers(module, device)
+    if trace is not None:
+        _check_coverage(module, groups, trace, meta_buffers, device)
 
-    owners = _modules_to_reset(module)
-    _check_coverage(module, groups, owners)
-    group_of_slot = {(id(owner), attr): group for group in groups for owner, attr, _b, _n in group.slots}
-    touches: list[list[ShardGroup]] = []
-    for owner in owners:
-        touched = {id(group_of_slot[(id(owner), attr)]): group_of_slot[(id(owner), attr)]
-                   for attr, p in owner._parameters.items() if p is not None and (id(owner), attr) in group_of_slot}
-        touches.append(list(touched.values()))
-    last_use = {id(group): index for index, touched in enumerate(touches) for group in touched}
+    by_id = {id(group): group for group in groups}
+    key_group = {(id(b), name): group for group in groups for b in group.buckets for name in b.unsharded_params}
+    dead_in: list[set[tuple[int, str]]] = [set() for _ in events]
+    accessed: list[set[Any]] = [set() for _ in events]
+    first_live: dict[int, int] = {}
+    last_live: dict[int, int] = {}
+    tied_span: dict[tuple[int, str], tuple[int, int]] = {}
+    if trace is not None:
+        for key, seen in trace.accesses.items():
+            for access in seen:
+                accessed[access.event].add(key)
+        for key, group in key_group.items():
+            for index in trace.dead(key):
+                dead_in[index].add(key)
+            for index in trace.live(key):
+                first_live[id(group)] = min(first_live.get(id(group), index), index)
+                last_live[id(group)] = max(last_live.get(id(group), index), index)
+        for slot in tied:
+            seen = trace.accesses.get(("tied", *slot), [])
+            if seen:
+                tied_span[slot] = (seen[0].event, seen[-1].event)
+    else:  # every group open for the whole replay, every slot bound at every call
+        for group in groups:
+            first_live[id(group)], last_live[id(group)] = 0, max(len(events) - 1, 0)
+        for index in range(len(events)):
+            accessed[index] = set(key_group) | {("tied", *slot) for slot in tied}
+        tied_span = {slot: (0, max(len(events) - 1, 0)) for slot in tied}
+    slots_of: dict[Any, list[tuple[nn.Module, str]]] = {}
+    for group in groups:
+        for owner, attr, bucket, name in group.slots:
+            if (id(owner), attr) in tied:
+                slots_of.setdefault(("tied", id(owner), attr), []).append((owner, attr))
+            else:
+                slots_of.setdefault((id(bucket), name), []).append((owner, attr))
+    template = {(id(b), name): (b.unsharded_params[name].shape, b.master_dtype, b.sharded_params[name].requires_grad)
+                for group in groups for b in group.buckets for name in b.unsharded_params}
+    for group in groups:
+        for owner, attr, bucket, name in group.slots:
+            if (id(owner), attr) in tied:
+                template[("tied", id(owner), attr)] = template[(id(bucket), name)]
+
+    def scratch(key: Any) -> nn.Parameter:
+        shape, dtype, requires_grad = template[key]
+        return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad)
 
     seed = shared_seed(seed)
     live: dict[int, dict[tuple[int, str], torch.Tensor]] = {}
-    by_id = {id(group): group for group in groups}
-    report = MaterializeReport(largest_group_bytes=max(_group_bytes(g) for g in groups))
+    tied_scratch: dict[Any, nn.Parameter] = {}
+    report = MaterializeReport(largest_group_bytes=max(_group_bytes(g) for g in groups), events=len(events),
+                               traced=trace is not None)
     with _forked_rng(device), torch.no_grad():
         torch.manual_seed(seed)
-        for index, owner in enumerate(owners):
-            for group in touches[index]:
-                if id(group) not in live:
-                    live[id(group)] = _open_group(group)
+        for index, event in enumerate(events):
+            for group_id in [g for g, first in first_live.items() if first == index]:
+                live[group_id] = _open_group(by_id[group_id])
             report.peak_open_groups = max(report.peak_open_groups, len(live))
             report.peak_full_bytes = max(report.peak_full_bytes, sum(_group_bytes(by_id[g]) for g in live))
-            owner.reset_parameters()
-            for group_id in [g for g, last in last_use.items() if last == index]:
+            for key in accessed[index]:
+                if key[0] == "tied":  # eager's own tensor until tie_weights(): drawn into, then dropped
+                    if key not in tied_scratch:
+                        tied_scratch[key] = scratch(key)
+                    value = tied_scratch[key]
+                elif key in key_group:
+                    if key in dead_in[index]:  # overwritten later, unread: the same draws, into a scratch tensor
+                        value = scratch(key)
+                        report.dead_writes += 1
+                    else:
+                        value = live[id(key_group[key])][key]
+                else:
+                    continue  # a buffer: real, written in place
+                for owner, attr in slots_of.get(key, []):
+                    owner._parameters[attr] = value
+            event.run()
+            for key in [k for k, (_, last) in tied_span.items() if last == index]:
+                tied_scratch.pop(("tied", *key), None)
+            for group_id in [g for g, last in last_live.items() if last == index]:
                 _close_group(by_id[group_id], live.pop(group_id))
     for group in groups:  # point every module back at its shards
         group.reshard()
@@ -109,35 +200,97 @@ def _group_bytes(group: ShardGroup) -> int:
     return sum(b.world_size * b.layout.segment_size * b.sharded.element_size() for b in group.buckets)
 
 
-def _modules_to_reset(module: nn.Module) -> list[nn.Module]:
-    """Modules, in module order, that own parameters or buffers directly and define ``reset_parameters``."""
-    return [
-        m
-        for m in module.modules()
-        if callable(getattr(m, "reset_parameters", None))
-        and (any(p is not None for p in m._parameters.values()) or any(b is not None for b in m._buffers.values()))
-    ]
-
-
-def _check_coverage(module: nn.Module, groups: list[ShardGroup], owners: list[nn.Module]) -> None:
-    covered = {id(m) for m in owners}
-    missing = []
-    for name, sub in module.named_modules():
-        if id(sub) in covered:
-            continue
-        for attr, param in sub._parameters.items():
-            if param is not None:
-                missing.append(f"{name + '.' if name else ''}{attr}")
-        for attr, buffer in sub._buffers.items():
-            if buffer is not None and getattr(sub, "_ragged_meta_buffer_" + attr, False):
-                missing.append(f"{name + '.' if name else ''}{attr} (buffer)")
-    if missing:
-        raise RuntimeError(
-            "cannot initialize a model built on the meta device: these tensors belong to modules without a "
-            f"`reset_parameters()` method, so nothing would initialize them: {', '.join(missing)}. Give those "
-            "modules a `reset_parameters()` that initializes their own parameters/buffers, or build the model "
-            "without `Trainer.init_module(empty_init=True)` / `torch.device('meta')`."
+def _dry_run(module: nn.Module, groups: list[ShardGroup], events: list[InitEvent],
+             tied: set[tuple[int, str]]) -> Trace | None:
+    """Trace the replay on meta tensors (no memory, no random numbers); None if it cannot run there."""
+    tracked: list[tuple[torch.Tensor, Any]] = []
+    views: dict[tuple[int, str], nn.Parameter] = {}
+    for group in groups:
+        for bucket in group.buckets:
+            flat = torch.empty(bucket.world_size * bucket.layout.segment_size, dtype=bucket.master_dtype,
+                               device="meta")
+            for name, param in bucket.unsharded_params.items():
+                begin = bucket.layout.offsets[name]
+                requires_grad = bucket.sharded_params[name].requires_grad
+                view = nn.Parameter(flat[begin : begin + param.numel()].view(param.shape), requires_grad)
+                views[(id(bucket), name)] = view
+                tracked.append((view, (id(bucket), name)))
+    for group in groups:
+        for owner, attr, bucket, name in group.slots:
+            view = views[(id(bucket), name)]
+            if (id(owner), attr) in tied:  # its own tensor, as in eager before tie_weights()
+                view = nn.Parameter(torch.empty_like(view, device="meta"), view.requires_grad)
+                tracked.append((view, ("tied", id(owner), attr)))
+            owner._parameters[attr] = view
+    swapped = []
+    for sub in module.modules():
+        for attr, buffer in list(sub._buffers.items()):
+            if buffer is None:
+                continue
+            if not buffer.is_meta:  # the dry run must not write real tensors
+                swapped.append((sub, attr, buffer))
+                buffer = sub._buffers[attr] = torch.empty_like(buffer, device="meta")
+            tracked.append((buffer, ("buffer", id(sub), attr)))
+    try:
+        return trace_events(module, events, tracked)
+    except Exception as error:  # noqa: BLE001 - any model code may refuse meta tensors
+        warnings.warn(
+            f"meta-device initialization could not be traced on meta tensors ({type(error).__name__}: {error}); "
+            "every group is materialized at once (peak memory: the full model) and uninitialized tensors "
+            "are not detected",
+            stacklevel=3,
         )
+        return None
+    finally:
+        for sub, attr, buffer in swapped:
+            sub._buffers[attr] = buffer
+        for group in groups:
+            group.use_sharded()
+
+
+def _check_coverage(module: nn.Module, groups: list[ShardGroup], trace: Trace,
+                    meta_buffers: set[tuple[int, str]], device: torch.device) -> None:
+    """Every parameter and meta buffer must be fully written by some call before anything reads it."""
+    missing = []
+    names = {id(p): n for n, p in module.named_parameters(remove_duplicate=False)}
+    for group in groups:
+        for bucket in group.buckets:
+            for name, param in bucket.unsharded_params.items():
+                if not trace.initialized((id(bucket), name)):
+                    missing.append(names.get(id(bucket.sharded_params[name]), name))
+    unset = [(path, sub, attr) for path, sub in module.named_modules() for attr, b in sub._buffers.items()
+             if b is not None and (id(sub), attr) in meta_buffers and not trace.initialized(("buffer", id(sub), attr))]
+    for path, sub, attr in unset:
+        if not _rebuild_buffer(sub, attr, device):
+            missing.append(f"{path + '.' if path else ''}{attr} (buffer)")
+    if missing:
+        hf = " nor by the Hugging Face model's `_init_weights`" if has_hf_init(module) else ""
+        raise RuntimeError(
+            "cannot initialize a model built on the meta device: nothing initializes these tensors (they are "
+            f"written neither by a module's `reset_parameters()`{hf}): {', '.join(missing)}. Give those modules "
+            "a `reset_parameters()` that initializes their own parameters/buffers, or build the model without "
+            "`Trainer.init_module(empty_init=True)` / `torch.device('meta')`."
+        )
+
+
+def _rebuild_buffer(module: nn.Module, attr: str, device: torch.device) -> bool:
+    """A buffer set in ``__init__`` only (a rotary ``inv_freq``): build the module again from its
+    ``config`` on ``device`` (no random number drawn from the caller's stream) and take it."""
+    config = getattr(module, "config", None)
+    if config is None:
+        return False
+    try:
+        with _forked_rng(device), torch.device(device):
+            fresh = type(module)(config)
+    except Exception:  # noqa: BLE001 - not buildable from its config alone
+        return False
+    value = fresh._buffers.get(attr)
+    target = module._buffers[attr]
+    if value is None or value.shape != target.shape:
+        return False
+    with torch.no_grad():
+        target.copy_(value)
+    return True
 
 
 def _materialize_buffers(module: nn.Module, device: torch.device) -> None:

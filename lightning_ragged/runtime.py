@@ -3,7 +3,8 @@
 Per step (``reshard_after_forward=True``):
 
 root pre-forward   start the step: mirror ``requires_grad`` changes, recover from a step that
-                   raised, begin recording the forward order
+                   raised, begin recording the forward order, broadcast the buffers from rank 0
+                   (``broadcast_buffers``, after a synchronized training forward, as DDP)
 group pre-forward  all-gather the group (or wait for its prefetch), prefetch the next group,
                    and put an autograd node on the module's inputs whose backward runs when
                    the module's whole backward is done (its *post-backward*)
@@ -52,6 +53,10 @@ class RaggedFSDPState:
         self._hooked: set[int] = set()
         self.handles: list[Any] = []
         """Hook handles, removed when a parent ``fully_shard`` call adopts these groups."""
+        self.buffer_sync: Any = None
+        """``broadcast_buffers=True``: a ``state_sync.BufferSync`` run before root forwards (DDP's rule)."""
+        self._buffers_need_sync = True
+        """DDP's ``require_forward_param_sync``: the first forward, and one after a synchronized training forward."""
         self._end_of_backward_hook = eager(self._end_of_backward)
         self._pre_backward_hooks = {id(g): eager(lambda _grads, g=g: self.pre_backward(g)) for g in groups}
 
@@ -92,6 +97,8 @@ class RaggedFSDPState:
         if _autograd_running():
             return
         self._root_depth = max(0, self._root_depth - 1)
+        if self._root_depth == 0:
+            self._buffers_need_sync = torch.is_grad_enabled() and self.requires_gradient_sync
         if self._root_depth == 0 and not torch.is_grad_enabled():  # evaluation: no backward will follow
             for group in self.all_groups:
                 if group.reshard_after_backward:
@@ -111,6 +118,8 @@ class RaggedFSDPState:
         for bucket in self.buckets():
             for name, param in bucket.sync_requires_grad():
                 self.hook_grad(bucket, name, param)
+        if self.buffer_sync is not None and self._buffers_need_sync:
+            self.buffer_sync.broadcast()  # DDP's broadcast_buffers: rank 0's buffers before this forward
 
     def recover(self) -> None:
         """The last forward or backward raised: free what it allocated; the next step trains exactly.

@@ -18,23 +18,28 @@ views of the *current* layout — whatever world size, granularity or planner th
 checkpoint was written with (DCP intersects the saved boxes with the requested ones).
 
 Safety: a save goes to a hidden sibling directory, every rank writes its shards, rank 0
-writes ``meta.pt`` last and renames the directory into place. A crash at any point
-leaves the previous checkpoint as it was, and the hidden directory is never mistaken
-for a checkpoint (its name matches neither ``last*.ckpt`` nor ``hpc_ckpt_*``). Loading
+writes ``meta.pt`` last and publishes the directory with one atomic rename
+(``atomic_dir.py``). A crash at any point leaves the name holding the previous checkpoint
+or the new one, and the hidden directory is never mistaken for a checkpoint (its name
+matches neither ``last*.ckpt`` nor ``hpc_ckpt_*``); a missing path loads the newest complete
+hidden copy a crash left. A save's collectives that time out raise ``CheckpointTimeoutError``
+(``checkpoint_timeout.py``). Loading
 validates the directory (complete, untruncated, a format version we read, the same
 model) before anything is written into the model.
 """
 
 from __future__ import annotations
 
+import atexit
+
 import contextlib
-import hashlib
 import math
 import os
 import shutil
 import threading
 import warnings
 from concurrent.futures import Future
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping, Sequence
 
@@ -42,8 +47,9 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 
+from lightning_ragged import atomic_dir, checkpoint_timeout, checksums, safe_unpickle
 from lightning_ragged.ragged_shard import RaggedShard
 
 FORMAT_VERSION = 1
@@ -52,9 +58,9 @@ FORMAT_VERSION = 1
 FORMAT_KEY = "ragged_checkpoint"
 META_FILENAME = "meta.pt"  # Lightning's `_METADATA_FILENAME`: its consolidation merges this file
 MODEL_KEY = "model"
-TMP_PREFIX = ".ragged-partial-"
-OLD_PREFIX = ".ragged-old-"
-TRASH_PREFIX = ".ragged-trash-"
+TMP_PREFIX = atomic_dir.PARTIAL_PREFIX  # ".ragged-partial-": hidden names and the one-rename publish live in atomic_dir.py
+OLD_PREFIX = atomic_dir.OLD_PREFIX
+TRASH_PREFIX = atomic_dir.TRASH_PREFIX
 
 
 # ---------------------------------------------------------------------------------- errors
@@ -78,8 +84,60 @@ class CheckpointVersionError(CheckpointError):
     """The checkpoint was written in a format version this code cannot read."""
 
 
+class UntrustedCheckpointError(CheckpointError):
+    """A pickle in the checkpoint names objects that could run code; refused unless ``trust_checkpoint=True``."""
+
+
+class ChecksumMismatchError(CorruptCheckpointError):
+    """Bytes of a checkpoint file differ from the checksum recorded at save: ``file`` (and ``tensor`` when known)."""
+
+    def __init__(self, message: str, file: str | os.PathLike | None = None, tensor: str | None = None) -> None:
+        super().__init__(message)
+        self.file = file
+        self.tensor = tensor
+
+
+_TRUST_HINT = (
+    "Refused: unpickling it could run arbitrary code. If you trust whoever wrote this checkpoint, load it with "
+    "trust_checkpoint=True (RaggedFSDPStrategy(trust_checkpoint=True), lightning_ragged.checkpoint.load(..., "
+    "trust_checkpoint=True), python -m lightning_ragged.consolidate --trust-checkpoint); to allow only your own "
+    "types, register them with torch.serialization.add_safe_globals([...])."
+)
+
+
+def _is_trusted(trust_checkpoint: bool, weights_only: bool | None) -> bool:
+    """Full unpickling only on request: ``trust_checkpoint=True`` or an explicit ``weights_only=False``."""
+    if trust_checkpoint and weights_only:
+        raise ValueError("trust_checkpoint=True contradicts weights_only=True; pass one of them")
+    return bool(trust_checkpoint) or weights_only is False
+
+
+def _untrusted(source: Any, error: BaseException) -> UntrustedCheckpointError:
+    """The refusal, naming the file and the first global that was not allowed."""
+    detail = safe_unpickle.refusal_detail(error)
+    return UntrustedCheckpointError(f"{source} holds objects beyond tensors and plain containers ({detail}). {_TRUST_HINT}")
+
+
+def _is_refusal(error: BaseException) -> bool:
+    """A weights-only / allow-list refusal (code could run), as opposed to a damaged file."""
+    return isinstance(error, safe_unpickle.RefusedPickleError) or (
+        isinstance(error, __import__("pickle").UnpicklingError) and "Weights only load failed" in str(error)
+    )
+
+
 # ------------------------------------------------------------------- ragged -> DTensor
 _MESHES: dict[tuple[int, str], Any] = {}
+"""DeviceMeshes built for DCP, per process group. A mesh holds its group: a group still held
+at interpreter exit can abort the process ("terminate called without an active exception"),
+so :func:`release_meshes` runs at the strategy's teardown and at exit."""
+
+
+def release_meshes() -> None:
+    """Drop the cached DeviceMeshes (call before ``destroy_process_group``)."""
+    _MESHES.clear()
+
+
+atexit.register(release_meshes)
 
 
 def _mesh(group: dist.ProcessGroup | None, device_type: str) -> Any:
@@ -384,26 +442,15 @@ def sharded_optimizer_state_dict(module: nn.Module | None, optimizer: torch.opti
 
 # ----------------------------------------------------------------- directory helpers
 def _hidden_sibling(path: Path, prefix: str) -> Path:
-    digest = hashlib.sha1(path.name.encode()).hexdigest()[:12]
-    return path.parent / f"{prefix}{digest}"
+    return atomic_dir.hidden_sibling(path, prefix)
 
 
 def partial_path(path: str | os.PathLike) -> Path:
-    """Where a save to ``path`` is written before it is renamed into place."""
-    return _hidden_sibling(Path(path), TMP_PREFIX)
+    """Where a save to ``path`` is written before it is published."""
+    return atomic_dir.partial_path(Path(path))
 
 
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+_fsync_dir = atomic_dir.fsync_dir
 
 
 def _write_file_atomically(obj: Any, path: Path) -> None:
@@ -412,40 +459,29 @@ def _write_file_atomically(obj: Any, path: Path) -> None:
         torch.save(obj, handle)
         handle.flush()
         os.fsync(handle.fileno())
+    atomic_dir.step("write_meta", part)
     os.replace(part, path)
+    atomic_dir.step("rename_meta", path)
 
 
 def _move_into_place(tmp: Path, path: Path) -> None:
-    """Replace ``path`` (file, directory or symlink) by ``tmp``; the old one is kept until the new one is there."""
-    old = None
-    if path.is_symlink() or path.is_file():
-        path.unlink()
-    elif path.exists():
-        old = _hidden_sibling(path, OLD_PREFIX)
-        if old.exists():
-            shutil.rmtree(old)
-        os.replace(path, old)
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+    """Make ``tmp`` the checkpoint at ``path`` with one atomic rename; what was there is deleted afterwards.
+
+    A crash at any moment leaves ``path`` the previous checkpoint or the new one (see
+    ``atomic_dir.publish``: an atomic exchange of the two names, or a symlink to a hidden
+    version replaced with one ``os.replace``).
+    """
+    atomic_dir.publish(tmp, path)
 
 
 def remove_checkpoint(path: str | os.PathLike) -> None:
     """Delete a checkpoint (directory, file or symlink) so that no half-deleted directory ever looks valid.
 
-    A symlink is unlinked (its target is left alone); a directory is first renamed to a
-    hidden name, then deleted.
+    A symlink is unlinked (its target is left alone), unless it is the link a save made to
+    its own hidden version (then both go); a directory is first renamed to a hidden name,
+    then deleted.
     """
-    path = Path(path)
-    if path.is_symlink() or path.is_file():
-        path.unlink()
-    elif path.is_dir():
-        trash = _hidden_sibling(path, TRASH_PREFIX)
-        if trash.exists():
-            shutil.rmtree(trash, ignore_errors=True)
-        os.replace(path, trash)
-        shutil.rmtree(trash, ignore_errors=True)
+    atomic_dir.remove(Path(path))
 
 
 def is_sharded_checkpoint(path: str | os.PathLike) -> bool:
@@ -471,7 +507,8 @@ def _split_checkpoint(checkpoint: Mapping[str, Any]) -> tuple[dict[str, Any], di
     return tensors, meta
 
 
-def _storage_writer(path: Path, compress: bool) -> dcp.FileSystemWriter:
+def _storage_writer(path: Path, compress: bool) -> checksums.ChecksummingWriter:
+    """DCP's file writer, recording a CRC-32 of every item it writes (``writer.manifest`` on rank 0)."""
     extensions = None
     if compress:
         from torch.distributed.checkpoint._extension import ZStandard
@@ -481,7 +518,7 @@ def _storage_writer(path: Path, compress: bool) -> dcp.FileSystemWriter:
                 "checkpoint compression needs the 'zstandard' (or 'pyzstd') package: pip install zstandard"
             )
         extensions = [ZStandard()]
-    return dcp.FileSystemWriter(str(path), _extensions=extensions)
+    return checksums.ChecksummingWriter(str(path), _extensions=extensions)
 
 
 def _is_rank_zero(group: dist.ProcessGroup | None = None) -> bool:
@@ -522,37 +559,55 @@ class _AlreadyStaged:
 
 
 class PendingSave:
-    """An asynchronous save in flight; ``wait()`` finishes it (meta.pt, rename) on rank 0."""
+    """An asynchronous save in flight; ``wait()`` finishes it (meta.pt, rename) on rank 0.
 
-    def __init__(self, future: Future, finish: Any, path: Path) -> None:
+    ``translating(label)``: a context manager that raises a timeout of the save's
+    collectives as ``CheckpointTimeoutError`` (see ``checkpoint_timeout``). A failure is
+    kept and raised again by every later ``wait()`` (the finish never runs twice).
+    """
+
+    def __init__(self, future: Future, finish: Any, path: Path, translating: Any = None) -> None:
         self.future = future
         self._finish = finish
         self.path = path
+        self.translating = translating or (lambda label, group=None: contextlib.nullcontext())
         self._lock = threading.Lock()
         self._done = False
+        self._error: BaseException | None = None
 
     def wait(self) -> None:
         with self._lock:  # the done-callback (rank 0) and the next save may both get here
+            if self._error is not None:
+                raise self._error
             if self._done:
                 return
-            self.future.result()
-            self._finish()
+            try:
+                with self.translating("dcp.async_save"):
+                    self.future.result()
+                self._finish()
+            except BaseException as error:
+                self._error = error
+                raise
             self._done = True
 
 
 class CheckpointWriter:
     """Writes checkpoint directories (sync or async) and keeps at most one async save in flight."""
 
-    def __init__(self) -> None:
+    def __init__(self, timeout: timedelta | None = None) -> None:
         self.pending: PendingSave | None = None
         self._async_group: dist.ProcessGroup | None = None
+        self.timeout = timeout
+        """The async save's process-group timeout; None: the default group's (the strategy's ``timeout``)."""
+        self._saves = 0  # every rank counts the same saves: names a timed-out save's collectives in the store
 
     def wait(self) -> None:
         """Finish the save in flight, if any (every rank)."""
         pending, self.pending = self.pending, None
         if pending is not None:
             pending.wait()
-            _barrier()
+            with pending.translating("barrier after the asynchronous save", None):  # the default group
+                _barrier()
 
     def save(
         self,
@@ -582,56 +637,87 @@ class CheckpointWriter:
         path = Path(path)
         tmp = partial_path(path)
         tensors, meta = _split_checkpoint(checkpoint)
+        self._saves += 1
+        sequence, saved_step = self._saves, meta.get("global_step", meta.get("step"))
+
+        def translating(label: str, group: dist.ProcessGroup | None = None, note: str | None = None) -> Any:
+            step = saved_step if isinstance(saved_step, int) else None
+            return checkpoint_timeout.translating(path, label, sequence=sequence, step=step, group=group, note=note)
+
         meta[FORMAT_KEY] = {
             "format_version": FORMAT_VERSION,
             "world_size": _world_size(),
             "optimizers": sum(1 for key in tensors if key.startswith("optimizer_")),
             "has_model": MODEL_KEY in tensors,
             "compressed": compress,
+            "checksums": checksums.MANIFEST_FILENAME,  # a directory without it is then known to be damaged
             **(extra_meta or {}),
         }
         if _is_rank_zero():
-            if tmp.exists():
-                shutil.rmtree(tmp)  # an earlier save to this path that never finished
-            tmp.mkdir(parents=True)
-        _barrier()
+            atomic_dir.prepare_partial(path, META_FILENAME)  # an earlier save to this path that never finished is removed
+        with translating("barrier before writing"):
+            _barrier()
 
         def finish() -> None:
+            atomic_dir.step("write_shards", tmp)
             if not _is_rank_zero():
                 return
             _write_file_atomically(meta, tmp / META_FILENAME)
+            manifest = _publish_checksums(writer, tmp)
+            atomic_dir.step("write_checksums", tmp / checksums.MANIFEST_FILENAME)
             _fsync_dir(tmp)
             if not full:
                 _move_into_place(tmp, path)
                 return
             from lightning_ragged.consolidate import write_full_checkpoint
 
-            info = CheckpointInfo(tmp, dcp.FileSystemReader(str(tmp)).read_metadata(), meta)
-            part = path.with_name(f".{path.name}.partial")
+            # Our own fresh save: meta is the live objects (trusted); the shards are verified as read.
+            metadata = safe_unpickle.load_dcp_metadata((tmp / ".metadata").read_bytes())
+            info = CheckpointInfo(tmp, metadata, meta, manifest=manifest, trusted=True)
+            part = atomic_dir.file_part_path(path)  # hidden, no digits of the name: Lightning's hpc_ckpt_<N> scan
             write_full_checkpoint(info, part)
+            atomic_dir.step("write_file", part)
+            checksums.remove_sidecar(path)  # never an old file's checksum next to the new file
             _move_into_place(part, path)
+            checksums.write_sidecar(path)
             shutil.rmtree(tmp, ignore_errors=True)
 
         writer = _storage_writer(tmp, compress)
         if not async_save:
-            with _quiet_without_process_group():
+            with translating("dcp.save"), _quiet_without_process_group():
                 dcp.save(tensors, storage_writer=writer)
-            _barrier()  # every rank's files are complete (DCP's .metadata is written by rank 0 last)
+            with translating("barrier after writing the shards"):
+                _barrier()  # every rank's files are complete (DCP's .metadata is written by rank 0 last)
             finish()
-            _barrier()
+            with translating("barrier after publishing", note=f"Rank 0 may have published {path} already. "):
+                _barrier()
             return
         if dist.is_initialized() and self._async_group is None:
-            self._async_group = dist.new_group(backend="gloo")
+            # its own group (DCP's collectives run in a background thread), with the default group's timeout
+            timeout = self.timeout or checkpoint_timeout.group_timeout()
+            self._async_group = dist.new_group(backend="gloo", **({"timeout": timeout} if timeout else {}))
         staged = _stage(tensors)
         future = dcp.async_save(
             staged, storage_writer=writer, process_group=self._async_group, async_stager=_AlreadyStaged()
         )
         # DCP's rank 0 finishes (writes .metadata) only after every rank's data is written,
         # so rank 0 may publish the directory as soon as its own future completes.
-        self.pending = PendingSave(future, finish, path)
+        group = self._async_group
+        self.pending = PendingSave(future, finish, path, lambda label, group=group: translating(label, group=group))
         if _is_rank_zero():
             pending = self.pending
             future.add_done_callback(lambda f: f.exception() is None and pending.wait())
+
+
+def _publish_checksums(writer: checksums.ChecksummingWriter, directory: Path) -> checksums.Manifest:
+    """Rank 0, before the directory is published: ``checksums.json`` (items from DCP, ``.metadata``, meta.pt)."""
+    manifest = writer.manifest
+    if manifest is None:
+        raise CheckpointError(f"the save to {directory} recorded no checksums (DCP's finish did not run on this rank)")
+    manifest.add_file(directory, ".metadata")
+    manifest.add_file(directory, META_FILENAME)
+    manifest.write(directory)
+    return manifest
 
 
 def _stage(tree: Any) -> Any:
@@ -674,12 +760,45 @@ def _stage(tree: Any) -> Any:
 
 # --------------------------------------------------------------------------- reading
 class CheckpointInfo:
-    """What a validated checkpoint directory holds: DCP metadata and the meta.pt contents."""
+    """What a validated checkpoint directory holds: DCP metadata and the meta.pt contents.
 
-    def __init__(self, path: Path, metadata: Metadata, meta: dict[str, Any]) -> None:
+    ``manifest``: the checksums the shards are verified against as they are read (None: not
+    verified); ``trusted``: whether pickled items in the shards may be fully unpickled.
+    ``reader()`` / ``planner()`` are the DCP storage reader and load planner that apply both.
+    """
+
+    def __init__(
+        self,
+        path: Path,
+        metadata: Metadata,
+        meta: dict[str, Any],
+        *,
+        manifest: checksums.Manifest | None = None,
+        trusted: bool = False,
+    ) -> None:
         self.path = path
         self.metadata = metadata
         self.meta = meta
+        self.manifest = manifest
+        self.trusted = trusted
+
+    def reader(self) -> "_CheckpointReader":
+        return _CheckpointReader(self.path, trusted=self.trusted, manifest=self.manifest, metadata=self.metadata)
+
+    def planner(self, allow_partial_load: bool = False) -> safe_unpickle.SafeLoadPlanner:
+        return safe_unpickle.SafeLoadPlanner(allow_partial_load=allow_partial_load, trusted=self.trusted)
+
+    @contextlib.contextmanager
+    def reading(self) -> Iterator[None]:
+        """Around a DCP load from this checkpoint: its failures as the named ``CheckpointError``s."""
+        try:
+            with _quiet_without_process_group():
+                yield
+        except BaseException as error:  # DCP's CheckpointException is a BaseException
+            named = _named_load_error(self.path, error)
+            if named is error:
+                raise
+            raise named from error
 
     @property
     def format(self) -> dict[str, Any]:
@@ -715,6 +834,55 @@ class CheckpointInfo:
         return sum(1 for key in keys if str(key).startswith("optimizer_"))
 
 
+class _CheckpointReader(checksums.VerifyingReaderMixin, safe_unpickle.SafeMetadataReader):
+    """DCP's file reader: ``.metadata`` through the allow-list unpickler (or the one already
+    validated), every item's bytes checked against the manifest as they are read."""
+
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        *,
+        trusted: bool = False,
+        manifest: checksums.Manifest | None = None,
+        metadata: Metadata | None = None,
+    ) -> None:
+        super().__init__(str(path), trusted=trusted)
+        self.manifest = manifest
+        self._metadata = metadata
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        if self._metadata is None or kwargs.get("rank") is not None:
+            return super().read_metadata(*args, **kwargs)
+        self._metadata.storage_meta = self._metadata.storage_meta or StorageMeta()
+        self._metadata.storage_meta.load_id = self.load_id
+        return self._metadata
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
+        if self.manifest is not None and not checksums.reader_hook_available(dcp.FileSystemReader):
+            raise CheckpointError(  # pragma: no cover - a torch without FileSystemReader._slice_file
+                "this torch's FileSystemReader has no _slice_file hook, so checksums cannot be verified while "
+                "reading; pass verify_checksums=False"
+            )
+
+
+def _named_load_error(path: Path, error: BaseException) -> BaseException:
+    """A DCP load failure as the ``CheckpointError`` it stands for (DCP wraps every rank's exception)."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    causes: list[BaseException] = [error]
+    if isinstance(error, CheckpointException):
+        causes = [wrapped[0] for _, wrapped in sorted(error.failures.items())] or causes
+    for cause in causes:
+        if isinstance(cause, CheckpointError):
+            return cause
+        if isinstance(cause, checksums.ChecksumMismatch):
+            return ChecksumMismatchError(f"{path / cause.file} is corrupt: {cause}", path / cause.file, cause.tensor)
+        if _is_refusal(cause):
+            return _untrusted(f"{path} (a pickled item of its shards)", cause)
+    return error
+
+
 def _describe_unfinished(path: Path) -> str:
     tmp = partial_path(path)
     if tmp.exists():
@@ -722,20 +890,58 @@ def _describe_unfinished(path: Path) -> str:
     return ""
 
 
-def inspect_checkpoint(path: str | os.PathLike, *, weights_only: bool | None = None) -> CheckpointInfo:
+def _newest_complete_copy(path: Path, **inspect_kwargs: Any) -> Path:
+    """``path`` does not exist: the newest hidden copy of it that validates (``atomic_dir.hidden_copies``).
+
+    What an interrupted save leaves there: the new version (link publishing) or, from the
+    previous two-rename publish, its new and old copies. An incomplete or damaged copy is
+    never chosen; one that is complete but refused (trust, format version) is, so that
+    loading says why. None: ``MissingCheckpointError``.
+    """
+    for candidate in atomic_dir.hidden_copies(path):
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                inspect_checkpoint(candidate, **inspect_kwargs)
+        except (CorruptCheckpointError, MissingCheckpointError, OSError):
+            continue
+        except CheckpointError:
+            pass
+        _rank_zero_warn(
+            f"no checkpoint at {path}: a save to it was interrupted; loading the newest complete "
+            f"copy it left, {candidate}"
+        )
+        return candidate
+    raise MissingCheckpointError(f"no checkpoint at {path}.{_describe_unfinished(path)}")
+
+
+def inspect_checkpoint(
+    path: str | os.PathLike,
+    *,
+    weights_only: bool | None = None,
+    trust_checkpoint: bool = False,
+    verify_checksums: bool = True,
+) -> CheckpointInfo:
     """Validate a checkpoint directory without touching any model; raise a ``CheckpointError`` naming the problem.
 
     Checks: the directory exists and is complete (DCP ``.metadata`` and ``meta.pt``),
     ``meta.pt`` is readable and its format version is one we read, and every data file
     DCP refers to exists and is at least as long as the bytes recorded for it.
+
+    Trust: ``.metadata`` is read with an allow-list of DCP's metadata types and ``meta.pt``
+    with ``torch.load(weights_only=True)``; anything else raises ``UntrustedCheckpointError``
+    unless ``trust_checkpoint=True`` (or an explicit ``weights_only=False``). Checksums
+    (``checksums.json``, written at save): ``.metadata`` and ``meta.pt`` are verified here, the
+    shards as they are read; ``verify_checksums=False`` skips all of it.
     """
     path = Path(path)
-    if not path.exists():
-        old = _hidden_sibling(path, OLD_PREFIX)
-        hint = f" (a previous version is at {old}; rename it back to use it)" if old.exists() else ""
-        raise MissingCheckpointError(f"no checkpoint at {path}.{_describe_unfinished(path)}{hint}")
+    if not path.exists():  # an interrupted save or removal: the newest complete hidden copy, if any
+        path = _newest_complete_copy(
+            path, weights_only=weights_only, trust_checkpoint=trust_checkpoint, verify_checksums=verify_checksums
+        )
     if not path.is_dir():
         raise CheckpointError(f"{path} is a file, not a sharded checkpoint directory (load it with torch.load)")
+    trusted = _is_trusted(trust_checkpoint, weights_only)
     metadata_file = path / ".metadata"
     if not metadata_file.is_file():
         raise CorruptCheckpointError(
@@ -744,12 +950,34 @@ def inspect_checkpoint(path: str | os.PathLike, *, weights_only: bool | None = N
         )
     if not (path / META_FILENAME).is_file():
         raise CorruptCheckpointError(f"{path} is not a complete checkpoint: '{META_FILENAME}' is missing (the save did not finish)")
+    manifest = None
+    if verify_checksums:
+        try:
+            manifest = checksums.Manifest.read(path)
+        except ValueError as error:
+            raise CorruptCheckpointError(str(error)) from error
+    # Untrusted, both small files are unpickled safely (allow-list / weights-only) before their
+    # checksums are compared, so that a format version newer than ours is reported as such, and a
+    # refusal as a refusal; a file that does not unpickle is checked first (a checksum mismatch
+    # says more than "unreadable"). Trusted, they are checked before they are unpickled.
+    metadata_bytes = metadata_file.read_bytes()
+    meta_bytes = (path / META_FILENAME).read_bytes()
+    if trusted:
+        _verify_small_file(path, ".metadata", metadata_bytes, manifest)
+        _verify_small_file(path, META_FILENAME, meta_bytes, manifest)
     try:
-        metadata = dcp.FileSystemReader(str(path)).read_metadata()
+        metadata = safe_unpickle.load_dcp_metadata(metadata_bytes, trusted=trusted)
     except Exception as error:
+        if _is_refusal(error):
+            raise _untrusted(metadata_file, error) from error
+        _verify_small_file(path, ".metadata", metadata_bytes, manifest)
         raise CorruptCheckpointError(f"{metadata_file} is unreadable ({type(error).__name__}: {error})") from error
-    meta = _load_meta(path / META_FILENAME, weights_only)
-    info = CheckpointInfo(path, metadata, meta)
+    try:
+        meta = _load_meta(path / META_FILENAME, trusted, meta_bytes)
+    except CorruptCheckpointError:
+        _verify_small_file(path, META_FILENAME, meta_bytes, manifest)
+        raise
+    info = CheckpointInfo(path, metadata, meta, manifest=manifest, trusted=trusted)
     fmt = info.format
     if not fmt:
         # A Lightning/FSDP2 sharded checkpoint (no ragged format record): readable, version 0.
@@ -760,21 +988,40 @@ def inspect_checkpoint(path: str | os.PathLike, *, weights_only: bool | None = N
             f"{path} was written in checkpoint format version {version!r}; this lightning_ragged reads versions "
             f"0..{FORMAT_VERSION}. Upgrade lightning_ragged (or consolidate the checkpoint with the version that wrote it)."
         )
+    _verify_small_file(path, ".metadata", metadata_bytes, manifest)
+    _verify_small_file(path, META_FILENAME, meta_bytes, manifest)
+    if verify_checksums and manifest is None and fmt.get("checksums"):
+        raise CorruptCheckpointError(
+            f"{path} is damaged: its checksums ('{fmt['checksums']}') are missing, though the save recorded them "
+            "(pass verify_checksums=False to load it unverified)"
+        )
+    if manifest is not None:
+        try:
+            manifest.check_covers(metadata.storage_data or {})
+        except checksums.ChecksumMismatch as error:
+            raise ChecksumMismatchError(f"{path} is damaged: {error}", path / checksums.MANIFEST_FILENAME, error.tensor) from error
     _check_data_files(path, metadata)
     return info
 
 
-def _load_meta(file: Path, weights_only: bool | None) -> dict[str, Any]:
+def _verify_small_file(directory: Path, name: str, data: bytes, manifest: checksums.Manifest | None) -> None:
+    """Check a small file of the checkpoint (read whole) against the manifest."""
+    if manifest is not None:
+        try:
+            manifest.verify_file_bytes(name, data)
+        except checksums.ChecksumMismatch as error:
+            raise ChecksumMismatchError(f"{directory / name} is corrupt: {error}", directory / name) from error
+
+
+def _load_meta(file: Path, trusted: bool, data: bytes | None = None) -> dict[str, Any]:
+    """meta.pt: weights-only (no fallback) unless ``trusted``."""
+    import io
+
     try:
-        return torch.load(file, map_location="cpu", weights_only=True if weights_only is None else weights_only)
+        return safe_unpickle.torch_load(io.BytesIO(data) if data is not None else file, trusted=trusted, map_location="cpu")
     except Exception as error:
-        if weights_only is None and isinstance(error, __import__("pickle").UnpicklingError):
-            warnings.warn(
-                f"{file} holds objects beyond tensors and plain containers ({str(error).splitlines()[0]}); loading it "
-                "with weights_only=False. Pass weights_only=True to refuse such checkpoints.",
-                stacklevel=3,
-            )
-            return torch.load(file, map_location="cpu", weights_only=False)
+        if _is_refusal(error):
+            raise _untrusted(file, error) from error
         raise CorruptCheckpointError(f"{file} is unreadable ({type(error).__name__}: {error})") from error
 
 
@@ -846,9 +1093,8 @@ def load_sharded_model_state_dict(module: nn.Module, info: CheckpointInfo | str 
     template = sharded_model_state_dict(module)
     saved = set(info.model_shapes())
     template = {key: value for key, value in template.items() if key in saved}
-    planner = dcp.DefaultLoadPlanner(allow_partial_load=not strict)
-    with _quiet_without_process_group():
-        dcp.load({info.model_key: template}, storage_reader=dcp.FileSystemReader(str(info.path)), planner=planner)
+    with info.reading():
+        dcp.load({info.model_key: template}, storage_reader=info.reader(), planner=info.planner(allow_partial_load=not strict))
     # Tensors were loaded in place; non-tensor extra state comes back as new objects.
     rest = {key: value for key, value in template.items() if not isinstance(value, torch.Tensor)}
     if rest:
@@ -880,12 +1126,10 @@ def _zero_dim_flat_keys_in_directory(
         template: dict[str, Any] = {}
         for flat_key in record_keys:
             _set_path(template, paths[flat_key], None)
-        _load_state_dict(  # a few pickled name lists, read by each rank on its own (no collective)
-            template,
-            storage_reader=dcp.FileSystemReader(str(info.path)),
-            planner=dcp.DefaultLoadPlanner(allow_partial_load=True),
-            no_dist=True,
-        )
+        with info.reading():
+            _load_state_dict(  # a few pickled name lists, read by each rank on its own (no collective)
+                template, storage_reader=info.reader(), planner=info.planner(allow_partial_load=True), no_dist=True
+            )
         recorded = {paths[k][2]: list(_get_path(template, paths[k]) or ()) for k in record_keys}
     flat, unknown = _zero_dim_flat_keys(param_shapes, state_shapes, recorded)
     _require_known_zero_dim_layout({n: keys for n, keys in unknown.items() if n in sharded_zero_dim}, info.path)
@@ -963,8 +1207,8 @@ def load_sharded_optimizer_state_dict(
         raise CheckpointMismatchError(
             f"{info.path} {key!r} holds optimizer state for parameters the optimizer does not have: {_short(sorted(unknown))}"
         )
-    with _quiet_without_process_group():
-        dcp.load(template, storage_reader=dcp.FileSystemReader(str(info.path)))
+    with info.reading():
+        dcp.load(template, storage_reader=info.reader(), planner=info.planner())
     saved = template.get(key, {})
     local_state: dict[str, dict[str, Any]] = saved.get("state", {})
     for (name, entry), tensor in local.items():
@@ -1043,15 +1287,24 @@ def load(
     *,
     strict: bool = True,
     weights_only: bool | None = None,
+    trust_checkpoint: bool = False,
+    verify_checksums: bool = True,
 ) -> dict[str, Any]:
     """Validate, then load the model and optimizers in place; return meta.pt's contents (the rest).
 
     ``path`` is a sharded checkpoint directory (any layout) or an ordinary single-file
     checkpoint (``full=True`` or consolidated; loaded memory-mapped, sliced to the shards).
+    Pickles are read weights-only (``.metadata``: DCP's metadata types only) unless
+    ``trust_checkpoint=True`` (or ``weights_only=False``): ``UntrustedCheckpointError``
+    otherwise. Recorded checksums are verified (``ChecksumMismatchError`` naming the file and
+    tensor) unless ``verify_checksums=False``.
     """
     if Path(path).is_file():
-        return _load_file(Path(path), module, list(optimizers), strict=strict, weights_only=weights_only)
-    info = inspect_checkpoint(path, weights_only=weights_only)
+        return _load_file(
+            Path(path), module, list(optimizers), strict=strict, weights_only=weights_only,
+            trust_checkpoint=trust_checkpoint, verify_checksums=verify_checksums,
+        )
+    info = inspect_checkpoint(path, weights_only=weights_only, trust_checkpoint=trust_checkpoint, verify_checksums=verify_checksums)
     optimizers = list(optimizers)
     if module is not None:
         check_model_matches(info, expected_model_shapes(module), strict=strict)
@@ -1068,20 +1321,39 @@ def load(
 
 
 # ---------------------------------------------------------------- single-file checkpoints
-def _read_file(path: Path, weights_only: bool | None) -> dict[str, Any]:
-    """torch.load a single-file checkpoint memory-mapped (safe types first unless told otherwise)."""
+def _read_file(
+    path: Path, weights_only: bool | None = None, *, trust_checkpoint: bool = False, verify_checksums: bool = True
+) -> dict[str, Any]:
+    """torch.load a single-file checkpoint memory-mapped: weights-only (never a silent fallback) unless trusted.
+
+    With ``verify_checksums`` and a sidecar (``<file>.checksum.json``, written by our saves)
+    the whole file is checked first (one streamed read); a file without one loads unverified.
+    """
+    trusted = _is_trusted(trust_checkpoint, weights_only)
+    if verify_checksums:
+        try:
+            checksums.verify_file(path)
+        except checksums.ChecksumMismatch as error:
+            raise ChecksumMismatchError(f"{path} is corrupt: {error}", path) from error
     try:
-        return torch.load(path, map_location="cpu", mmap=True, weights_only=True if weights_only is None else weights_only)
+        return safe_unpickle.torch_load(path, trusted=trusted, map_location="cpu", mmap=True)
     except Exception as error:
-        if weights_only is None and isinstance(error, __import__("pickle").UnpicklingError):
-            return torch.load(path, map_location="cpu", mmap=True, weights_only=False)
+        if _is_refusal(error):
+            raise _untrusted(path, error) from error
         raise CorruptCheckpointError(f"{path} is unreadable ({type(error).__name__}: {error})") from error
 
 
 def _load_file(
-    path: Path, module: nn.Module | None, optimizers: list[torch.optim.Optimizer], *, strict: bool, weights_only: bool | None
+    path: Path,
+    module: nn.Module | None,
+    optimizers: list[torch.optim.Optimizer],
+    *,
+    strict: bool,
+    weights_only: bool | None,
+    trust_checkpoint: bool = False,
+    verify_checksums: bool = True,
 ) -> dict[str, Any]:
-    checkpoint = _read_file(path, weights_only)
+    checkpoint = _read_file(path, weights_only, trust_checkpoint=trust_checkpoint, verify_checksums=verify_checksums)
     if module is not None:
         load_full_model_state_dict(module, checkpoint.get("state_dict", checkpoint.get(MODEL_KEY, {})), strict=strict, source=path)
     states = checkpoint.get("optimizer_states", [])
@@ -1173,10 +1445,20 @@ class LightningCheckpointIO:
     * ``remove()``: directories, files and ``save_last="link"`` symlinks.
     """
 
-    def __init__(self, state_dict_type: str = "sharded", compress: bool = False, async_save: bool = False) -> None:
+    def __init__(
+        self,
+        state_dict_type: str = "sharded",
+        compress: bool = False,
+        async_save: bool = False,
+        *,
+        trust_checkpoint: bool = False,
+        verify_checksums: bool = True,
+    ) -> None:
         self.state_dict_type = state_dict_type
         self.compress = compress
         self.async_save = async_save
+        self.trust_checkpoint = trust_checkpoint  # full unpickling of meta.pt / .metadata / .ckpt: only for files you trust
+        self.verify_checksums = verify_checksums
         self.writer = CheckpointWriter()
 
     def state_dict(self, module: nn.Module) -> dict[str, Any]:
@@ -1211,8 +1493,9 @@ class LightningCheckpointIO:
     ) -> dict[str, Any]:
         self.writer.wait()
         path = Path(path)
+        trust = {"trust_checkpoint": self.trust_checkpoint, "verify_checksums": self.verify_checksums}
         if path.is_file():
-            checkpoint = _read_file(path, weights_only)
+            checkpoint = _read_file(path, weights_only, **trust)
             state_dict = checkpoint.get("state_dict", checkpoint.get(MODEL_KEY, {}))
             load_full_model_state_dict(module, state_dict, strict=strict, source=path)
             states = list(checkpoint.get("optimizer_states", []))
@@ -1222,7 +1505,7 @@ class LightningCheckpointIO:
                 load_full_optimizer_state_dict(module, optimizer, state) for optimizer, state in zip(optimizers, states)
             ]
         else:
-            info = inspect_checkpoint(path, weights_only=weights_only)
+            info = inspect_checkpoint(path, weights_only=weights_only, **trust)
             check_model_matches(info, expected_model_shapes(module), strict=strict)
             load_sharded_model_state_dict(module, info, strict=strict)
             rest = {k: v for k, v in info.meta.items() if k != FORMAT_KEY}
@@ -1253,6 +1536,7 @@ class LightningCheckpointIO:
         pending = self.writer.pending
         if pending is not None:
             pending.wait()  # never delete next to a directory that is still being renamed
+        checksums.remove_sidecar(path)  # a single file's checksum goes with it (a symlink's target keeps its own)
         remove_checkpoint(path)
 
     def teardown(self) -> None:

@@ -25,10 +25,11 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import torch
-import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from lightning_ragged.checkpoint import FORMAT_KEY, MODEL_KEY, ZERO_DIM_STATES_KEY, CheckpointInfo, inspect_checkpoint
+from lightning_ragged.checksums import remove_sidecar, write_sidecar
+from lightning_ragged.safe_unpickle import torch_load
 
 BATCH_BYTES = 256 * 2**20
 """Tensors filled per DCP read (a bound on the extra memory consolidation uses)."""
@@ -39,14 +40,26 @@ def consolidate(
     output_file: str | os.PathLike,
     *,
     weights_only: bool | None = None,
+    trust_checkpoint: bool = False,
+    verify_checksums: bool = True,
     batch_bytes: int = BATCH_BYTES,
 ) -> Path:
-    """Write ``checkpoint_dir`` (a sharded checkpoint) as the single file ``output_file``; return its path."""
-    info = inspect_checkpoint(checkpoint_dir, weights_only=weights_only)
+    """Write ``checkpoint_dir`` (a sharded checkpoint) as the single file ``output_file``; return its path.
+
+    The input is read without running code (``.metadata``: DCP's metadata types; ``meta.pt``
+    and pickled items: weights-only) unless ``trust_checkpoint=True``, and its shards are
+    verified against their checksums unless ``verify_checksums=False``. The output gets a
+    checksum sidecar ``OUT.ckpt.checksum.json`` (lightning_ragged verifies it when loading).
+    """
+    info = inspect_checkpoint(
+        checkpoint_dir, weights_only=weights_only, trust_checkpoint=trust_checkpoint, verify_checksums=verify_checksums
+    )
     output = Path(output_file)
     part = output.with_name(f".{output.name}.partial")
     write_full_checkpoint(info, part, batch_bytes=batch_bytes)
+    remove_sidecar(output)
     os.replace(part, output)
+    write_sidecar(output)
     return output
 
 
@@ -80,7 +93,8 @@ def write_full_checkpoint(info: CheckpointInfo, output: Path, *, batch_bytes: in
         torch.save(checkpoint, output)
     del checkpoint
     with torch.serialization.set_default_mmap_options(mmap.MAP_SHARED):
-        mapped = torch.load(output, mmap=True, weights_only=False, map_location="cpu")
+        # Our own file, holding only what meta.pt held: weights-only unless that was trusted.
+        mapped = torch_load(output, trusted=info.trusted, mmap=True, map_location="cpu")
     for path, value in real:
         _get(mapped, path).copy_(value)
 
@@ -103,12 +117,8 @@ def write_full_checkpoint(info: CheckpointInfo, output: Path, *, batch_bytes: in
 def _read_into(info: CheckpointInfo, template: dict[str, Any]) -> None:
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
-    _load_state_dict(
-        template,
-        storage_reader=dcp.FileSystemReader(str(info.path)),
-        planner=dcp.DefaultLoadPlanner(allow_partial_load=True),
-        no_dist=True,
-    )
+    with info.reading():  # shards verified against their checksums, pickled items weights-only unless trusted
+        _load_state_dict(template, storage_reader=info.reader(), planner=info.planner(allow_partial_load=True), no_dist=True)
 
 
 def _load_objects(info: CheckpointInfo, keys: list[str]) -> dict[str, Any]:
@@ -222,16 +232,37 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("checkpoint_dir", help="the sharded checkpoint directory")
     parser.add_argument("output_file", help="the .ckpt file to write (must not exist)")
-    parser.add_argument("--weights-only", action="store_true", help="refuse meta.pt contents beyond tensors and plain containers")
+    parser.add_argument(
+        "--weights-only",
+        action="store_true",
+        help="refuse pickled objects beyond tensors and plain containers (the default; kept for compatibility)",
+    )
+    parser.add_argument(
+        "--trust-checkpoint",
+        action="store_true",
+        help="fully unpickle meta.pt, .metadata and pickled items (they can run arbitrary code): only for "
+        "checkpoints whose writer you trust, e.g. with OmegaConf hyperparameters",
+    )
+    parser.add_argument(
+        "--no-verify-checksums", action="store_true", help="do not check the shards against their recorded checksums"
+    )
     args = parser.parse_args(argv)
+    if args.weights_only and args.trust_checkpoint:
+        parser.error("--weights-only and --trust-checkpoint contradict each other")
     output = Path(args.output_file)
     if output.exists():
         print(f"error: {output} exists; choose another path or remove it first", file=sys.stderr)
         return 1
     try:
-        consolidate(args.checkpoint_dir, output, weights_only=True if args.weights_only else None)
+        consolidate(
+            args.checkpoint_dir,
+            output,
+            weights_only=True if args.weights_only else None,
+            trust_checkpoint=args.trust_checkpoint,
+            verify_checksums=not args.no_verify_checksums,
+        )
     except Exception as error:  # noqa: BLE001 - a CLI: print the clear message, not a traceback
-        print(f"error: {error}", file=sys.stderr)
+        print(f"error: {type(error).__name__}: {error}", file=sys.stderr)
         return 1
     print(f"wrote {output}")
     return 0

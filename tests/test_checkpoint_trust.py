@@ -1,0 +1,309 @@
+"""Checkpoint trust and integrity: hostile pickles never run, corrupted bytes never load silently.
+
+* Hostile ``meta.pt``, single-file ``.ckpt``, DCP ``.metadata`` and a pickled item inside a
+  shard, each with a ``__reduce__`` payload that would write a marker file: every loader (engine
+  ``load``, the strategy's ``LightningCheckpointIO``, the consolidate CLI with and without
+  ``--weights-only``) raises ``UntrustedCheckpointError`` and no marker appears; with
+  ``trust_checkpoint=True`` the file loads and the marker appears (so the tests can fail).
+* 256 bytes set to 0xFF inside a tensor of a shard file (plain, Zstandard-compressed, a
+  2-rank save, sync and async) or of a full ``.ckpt``: ``ChecksumMismatchError`` naming the file
+  and the tensor; ``verify_checksums=False`` loads it and the values differ.
+* Honest checkpoints load bit-identically.
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import lightning_ragged as lr
+from lightning_ragged import checkpoint as ck
+from lightning_ragged import checksums
+from lightning_ragged.consolidate import main as consolidate_main
+from tests.models import lm_loss, make_batches, make_model
+
+CORRUPT = b"\xff" * 256
+
+
+class Payload:
+    """Pickles as ``eval(<write the marker>)``: unpickling it runs code. Evaluates to ``value``."""
+
+    def __init__(self, marker: Path, value: object = 0) -> None:
+        self.marker = marker
+        self.value = value
+
+    def __reduce__(self):
+        return (eval, (f"open({str(self.marker)!r}, 'w').write('pwned') and {self.value!r}",))
+
+
+def _trained(seed: int = 0):
+    model = make_model(seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    lm_loss(model, make_batches(1, 4)[0]).backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return model, optimizer
+
+
+def _state(model, optimizer) -> dict[str, torch.Tensor]:
+    out = {f"p.{k}": v.detach().clone() for k, v in model.state_dict().items()}
+    for index, param in enumerate(p for g in optimizer.param_groups for p in g["params"]):
+        for key, value in optimizer.state.get(param, {}).items():
+            out[f"o.{index}.{key}"] = value.detach().clone()
+    return out
+
+
+def _identical(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _resign(directory: Path) -> None:
+    """What an attacker does after editing a small file: record its new checksum too."""
+    manifest = checksums.Manifest.read(directory)
+    manifest.add_file(directory, ".metadata")
+    manifest.add_file(directory, ck.META_FILENAME)
+    manifest.write(directory)
+
+
+def _flip_tensor_bytes(file: Path, values: torch.Tensor) -> None:
+    """Set 256 bytes inside the saved bytes of ``values`` (found in ``file``) to 0xFF."""
+    data = bytearray(file.read_bytes())
+    raw = values.detach().contiguous().numpy().tobytes()
+    position = data.find(raw[:512])
+    assert position >= 0 and len(raw) >= 64 + len(CORRUPT), "tensor bytes not found in the file"
+    data[position + 64 : position + 64 + len(CORRUPT)] = CORRUPT
+    file.write_bytes(bytes(data))
+
+
+def _item_file(directory: Path, key: str) -> Path:
+    metadata = pickle.loads((directory / ".metadata").read_bytes())  # our own honest file
+    (info,) = [v for k, v in metadata.storage_data.items() if k.fqn == key]
+    return directory / info.relative_path
+
+
+@pytest.fixture()
+def saved(tmp_path) -> tuple[Path, dict[str, torch.Tensor]]:
+    model, optimizer = _trained()
+    ck.save(tmp_path / "ckpt", model, [optimizer], {"step": 1})
+    return tmp_path / "ckpt", _state(model, optimizer)
+
+
+def _fresh():
+    model = make_model(seed=5)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+# ------------------------------------------------------------------------ honest
+@pytest.mark.parametrize("compress", [False, True])
+def test_honest_checkpoint_loads_bit_identically_with_checksums(tmp_path, compress: bool) -> None:
+    model, optimizer = _trained()
+    ck.save(tmp_path / "c", model, [optimizer], {"step": 3}, compress=compress)
+    manifest = json.loads((tmp_path / "c" / checksums.MANIFEST_FILENAME).read_text())
+    assert set(manifest["files"]) == {".metadata", ck.META_FILENAME} and manifest["items"]
+    restored, restored_opt = _fresh()
+    assert ck.load(tmp_path / "c", restored, [restored_opt]) == {"step": 3}
+    assert _identical(_state(restored, restored_opt), _state(model, optimizer))
+    # .metadata stays exactly DCP's (no checksum attribute left on its storage entries)
+    metadata = pickle.loads((tmp_path / "c" / ".metadata").read_bytes())
+    assert all(not hasattr(info, "_ragged_crc32") for info in metadata.storage_data.values())
+
+
+def test_honest_full_file_has_a_sidecar_and_loads_bit_identically(tmp_path) -> None:
+    model, optimizer = _trained()
+    ck.save(tmp_path / "full.ckpt", model, [optimizer], full=True)
+    assert checksums.sidecar_path(tmp_path / "full.ckpt").is_file()
+    assert checksums.verify_file(tmp_path / "full.ckpt")
+    torch.load(tmp_path / "full.ckpt", weights_only=True)  # still an ordinary checkpoint
+    restored, restored_opt = _fresh()
+    ck.load(tmp_path / "full.ckpt", restored, [restored_opt])
+    assert _identical(_state(restored, restored_opt), _state(model, optimizer))
+    ck.LightningCheckpointIO().remove(tmp_path / "full.ckpt")
+    assert not list(tmp_path.iterdir())  # the sidecar went with the file
+
+
+# ------------------------------------------------------------------- corruption
+@pytest.mark.parametrize("compress", [False, True])
+def test_flipped_tensor_bytes_in_a_shard_name_the_file_and_tensor(tmp_path, compress: bool) -> None:
+    model, optimizer = _trained()
+    ck.save(tmp_path / "c", model, [optimizer], compress=compress)
+    file = _item_file(tmp_path / "c", "model.blocks.0.qkv.weight")
+    if compress:  # the bytes on disk are a Zstandard stream: corrupt its middle
+        data = bytearray(file.read_bytes())
+        data[len(data) // 2 : len(data) // 2 + 256] = CORRUPT
+        file.write_bytes(bytes(data))
+    else:
+        _flip_tensor_bytes(file, model.blocks[0].qkv.weight)
+    restored, restored_opt = _fresh()
+    with pytest.raises(ck.ChecksumMismatchError) as error:
+        ck.load(tmp_path / "c", restored, [restored_opt])
+    assert file.name in str(error.value) and Path(error.value.file).name == file.name
+    if not compress:
+        assert error.value.tensor == "model.blocks.0.qkv.weight" and "'model.blocks.0.qkv.weight'" in str(error.value)
+        unverified, _ = _fresh()
+        ck.load(tmp_path / "c", unverified, verify_checksums=False)  # loads silently, as DCP alone does
+        assert torch.isnan(unverified.blocks[0].qkv.weight).any()
+        assert not torch.equal(unverified.blocks[0].qkv.weight, model.blocks[0].qkv.weight)
+
+
+def test_flipped_bytes_in_a_full_file_are_named(tmp_path) -> None:
+    model, optimizer = _trained()
+    ck.save(tmp_path / "full.ckpt", model, [optimizer], full=True)
+    _flip_tensor_bytes(tmp_path / "full.ckpt", model.blocks[0].qkv.weight)
+    restored, _ = _fresh()
+    with pytest.raises(ck.ChecksumMismatchError, match="full.ckpt"):
+        ck.load(tmp_path / "full.ckpt", restored)
+    with pytest.raises(ck.ChecksumMismatchError, match="full.ckpt"):
+        ck.LightningCheckpointIO().load(restored, [], tmp_path / "full.ckpt", fitting=False)
+    ck.load(tmp_path / "full.ckpt", restored, verify_checksums=False)
+    assert not torch.equal(restored.blocks[0].qkv.weight, model.blocks[0].qkv.weight)
+
+
+def test_edited_meta_and_missing_manifest_are_detected(saved) -> None:
+    path, _ = saved
+    meta = torch.load(path / ck.META_FILENAME, weights_only=True)
+    meta["step"] = 2
+    torch.save(meta, path / ck.META_FILENAME)
+    with pytest.raises(ck.ChecksumMismatchError, match="meta.pt"):
+        ck.load(path, make_model())
+    (path / checksums.MANIFEST_FILENAME).unlink()
+    with pytest.raises(ck.CorruptCheckpointError, match="checksums"):
+        ck.load(path, make_model())
+    assert ck.load(path, make_model(), verify_checksums=False) == {"step": 2}
+
+
+def check_two_rank_corruption(root: str) -> dict:
+    """Save on 2 ranks (sync and async), corrupt rank 1's file, load on 2 ranks: both ranks name it."""
+    rank = dist.get_rank()
+    out = {}
+    for mode in ("sync", "async"):
+        model = lr.fully_shard(make_model(), shard_granularity="row")
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        writer = ck.CheckpointWriter()
+        ck.save(f"{root}/{mode}", model, [optimizer], async_save=mode == "async", writer=writer)
+        writer.wait()
+        saved = _state(model, optimizer)
+        restored = lr.fully_shard(make_model(seed=5), shard_granularity="row")
+        restored_opt = torch.optim.AdamW(restored.parameters(), lr=1e-2)
+        ck.load(f"{root}/{mode}", restored, [restored_opt])
+        out[f"{mode}_identical"] = _identical(_state(restored, restored_opt), saved)
+        dist.barrier()
+        if rank == 0:
+            data = Path(root, mode, "__1_0.distcp")
+            blob = bytearray(data.read_bytes())
+            blob[len(blob) // 2 : len(blob) // 2 + 256] = CORRUPT
+            data.write_bytes(bytes(blob))
+        dist.barrier()
+        try:
+            ck.load(f"{root}/{mode}", restored, [restored_opt])
+            out[f"{mode}_error"] = None
+        except ck.ChecksumMismatchError as error:
+            out[f"{mode}_error"] = str(error)
+    return out
+
+
+def test_two_rank_checksums_travel_to_rank_zero_and_corruption_is_named_on_every_rank(dist_pool, tmp_path) -> None:
+    for result in dist_pool(2).run(check_two_rank_corruption, str(tmp_path)):
+        for mode in ("sync", "async"):
+            assert result[f"{mode}_identical"], result
+            assert result[f"{mode}_error"] and "__1_0.distcp" in result[f"{mode}_error"], result
+
+
+# -------------------------------------------------------------- hostile pickles
+def _hostile_meta(path: Path, marker: Path) -> None:
+    meta = torch.load(path / ck.META_FILENAME, weights_only=True)
+    meta["hyper_parameters"] = {"lr": Payload(marker, 0.1)}
+    torch.save(meta, path / ck.META_FILENAME)
+    _resign(path)
+
+
+def _hostile_metadata(path: Path, marker: Path) -> None:
+    metadata = pickle.loads((path / ".metadata").read_bytes())
+    metadata.storage_meta.modules = [Payload(marker, "x")]
+    (path / ".metadata").write_bytes(pickle.dumps(metadata))
+    _resign(path)
+
+
+HOSTILE = {"meta.pt": _hostile_meta, ".metadata": _hostile_metadata}
+
+
+@pytest.mark.parametrize("kind", list(HOSTILE))
+def test_hostile_directory_is_refused_by_every_loader_and_runs_only_when_trusted(saved, tmp_path, kind: str) -> None:
+    path, state = saved
+    marker = tmp_path / "marker"
+    HOSTILE[kind](path, marker)
+    model, optimizer = _fresh()
+    for attempt in (
+        lambda: ck.load(path, model, [optimizer]),
+        lambda: ck.load(path, model, [optimizer], weights_only=True),
+        lambda: ck.inspect_checkpoint(path, verify_checksums=False),
+        lambda: ck.LightningCheckpointIO().load(model, [optimizer], path, fitting=True),
+    ):
+        with pytest.raises(ck.UntrustedCheckpointError, match=f"{kind}.*trust_checkpoint=True"):
+            attempt()
+        assert not marker.exists()
+    ck.LightningCheckpointIO(trust_checkpoint=True).load(model, [optimizer], path, fitting=True)
+    assert marker.exists()  # the payload ran: the refusals above were real
+    assert _identical(_state(model, optimizer), state)
+    marker.unlink()
+    ck.load(path, make_model(), trust_checkpoint=True)
+    assert marker.exists()
+
+
+@pytest.mark.parametrize("kind", list(HOSTILE))
+def test_consolidate_cli_refuses_hostile_pickles_with_and_without_weights_only(saved, tmp_path, capsys, kind: str) -> None:
+    path, _ = saved
+    marker = tmp_path / "marker"
+    HOSTILE[kind](path, marker)
+    for flags in ([], ["--weights-only"]):
+        assert consolidate_main([str(path), str(tmp_path / "out.ckpt"), *flags]) == 1
+        assert "UntrustedCheckpointError" in capsys.readouterr().err
+        assert not marker.exists() and not (tmp_path / "out.ckpt").exists()
+    assert consolidate_main([str(path), str(tmp_path / "out.ckpt"), "--trust-checkpoint"]) == 0
+    assert marker.exists() and checksums.verify_file(tmp_path / "out.ckpt")
+
+
+def test_hostile_full_file_is_refused_and_runs_only_when_trusted(tmp_path) -> None:
+    model, optimizer = _trained()
+    file, marker = tmp_path / "full.ckpt", tmp_path / "marker"
+    ck.save(file, model, [optimizer], full=True)
+    checkpoint = torch.load(file, weights_only=True)
+    checkpoint["hyper_parameters"] = {"lr": Payload(marker, 0.1)}
+    torch.save(checkpoint, file)
+    checksums.write_sidecar(file)
+    restored, restored_opt = _fresh()
+    for attempt in (
+        lambda: ck.load(file, restored, [restored_opt]),
+        lambda: ck.LightningCheckpointIO().load(restored, [restored_opt], file, fitting=True),
+    ):
+        with pytest.raises(ck.UntrustedCheckpointError, match="full.ckpt"):
+            attempt()
+        assert not marker.exists()
+    ck.load(file, restored, [restored_opt], trust_checkpoint=True)
+    assert marker.exists()
+    assert _identical(_state(restored, restored_opt), _state(model, optimizer))
+
+
+def test_hostile_pickled_item_inside_a_shard_is_refused(tmp_path) -> None:
+    """DCP's own planner torch.loads non-tensor items (param groups...) with weights_only=False."""
+    model, optimizer = _trained()
+    marker = tmp_path / "marker"
+    state = ck.sharded_optimizer_state_dict(model, optimizer)
+    state["param_groups"][0]["lr"] = Payload(marker, 0.01)
+    ck.CheckpointWriter().save({"model": ck.sharded_model_state_dict(model), "optimizer_0": state}, tmp_path / "c")
+    assert not marker.exists()  # pickling only records the call
+    restored, restored_opt = _fresh()
+    with pytest.raises(ck.UntrustedCheckpointError, match="pickled item"):
+        ck.load(tmp_path / "c", restored, [restored_opt])
+    assert not marker.exists()
+    ck.load(tmp_path / "c", restored, [restored_opt], trust_checkpoint=True)
+    assert marker.exists() and restored_opt.param_groups[0]["lr"] == 0.01
+
+
+def test_trust_and_weights_only_contradict(saved) -> None:
+    with pytest.raises(ValueError, match="contradicts"):
+        ck.load(saved[0], make_model(), weights_only=True, trust_checkpoint=True)

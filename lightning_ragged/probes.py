@@ -148,6 +148,7 @@ class EngineProbe:
         try:
             call(**kwargs)
         except BaseException as error:  # noqa: BLE001 - re-raised, with a name when we recognise it
+            self.seconds_in_call = time.perf_counter() - started  # named in a lost-peer diagnostic
             raise self._fail(error, info, collective) from error
         finally:
             self._depth -= 1

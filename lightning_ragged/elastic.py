@@ -1,0 +1,163 @@
+"""Elastic resize under torchrun: lose a node, restart at the smaller world size, resume resharded.
+
+The recipe (docs/operations.md, "Elastic resize")::
+
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nnodes=2:4 --nproc-per-node=8 --max-restarts=3 \\
+        --rdzv-backend=c10d --rdzv-endpoint=HOST:29400 --rdzv-id=JOB train.py
+
+    # train.py
+    from lightning_ragged.elastic import newest_checkpoint, torchrun_world
+    trainer = Trainer(strategy=RaggedFSDPStrategy(timeout=timedelta(minutes=5)), **torchrun_world(),
+                      callbacks=[ModelCheckpoint(dirpath=CKPT, save_last=True, every_n_train_steps=200)])
+    trainer.fit(model, ckpt_path=newest_checkpoint(CKPT))   # None on the first start: from scratch
+    torch.distributed.destroy_process_group()                # leave cleanly: an abort at exit is a failure
+
+What happens when a node dies: the survivors' next collective fails at once (gloo: the
+dead process's sockets close; the probes raise ``PeerLostError``), their processes exit,
+and the torchrun agents re-rendezvous with the nodes that are left (at least ``MIN``) and
+start the workers again with the new ``WORLD_SIZE``. Every (re)start builds the Trainer
+for that world size (:func:`torchrun_world`) and loads the newest complete checkpoint
+(:func:`newest_checkpoint`); sharded checkpoints reshard to any world size on load, so
+only the steps after the last checkpoint are redone.
+
+``fit(ckpt_path="last")`` with ``ModelCheckpoint(save_last=True)`` finds the same
+checkpoint as long as ``last.ckpt`` exists (publishing replaces it with one atomic
+rename, ``atomic_dir.py``). :func:`newest_checkpoint` also works with any
+``ModelCheckpoint`` naming (top-k only, no ``save_last``) and also considers the hidden
+complete copies an interrupted save can leave (a version not yet linked, or the new and
+old copies of a two-step publish: a file over a directory, or checkpoints written before
+one-rename publishing), so a node lost in the middle of a save never sends the job back
+to step 0. Every candidate is validated; an incomplete one is never chosen.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from pathlib import Path
+from typing import Mapping, Optional, Union
+
+from lightning_ragged.checkpoint import OLD_PREFIX, TMP_PREFIX, CheckpointError, inspect_checkpoint
+
+try:  # hidden, complete versions of link publishing (atomic_dir.py), where the filesystem cannot exchange names
+    from lightning_ragged.atomic_dir import VERSION_PREFIX
+except ImportError:  # pragma: no cover - older layouts
+    VERSION_PREFIX = None
+HIDDEN_PREFIXES = tuple(prefix for prefix in (TMP_PREFIX, OLD_PREFIX, VERSION_PREFIX) if prefix)
+
+CHECKPOINT_SUFFIX = ".ckpt"
+
+
+def torchrun_world(env: Optional[Mapping[str, str]] = None) -> dict[str, int]:
+    """``Trainer(**torchrun_world())``: ``num_nodes`` and ``devices`` of this (re)start, as torchrun set them.
+
+    After an elastic restart ``WORLD_SIZE`` is smaller; the Trainer must be built for it
+    (Lightning refuses ``num_nodes * devices != WORLD_SIZE``). Outside torchrun: ``{}``.
+    """
+    env = os.environ if env is None else env
+    if "WORLD_SIZE" not in env or "LOCAL_WORLD_SIZE" not in env:
+        return {}
+    world, local = int(env["WORLD_SIZE"]), int(env["LOCAL_WORLD_SIZE"])
+    if local < 1 or world % local:
+        raise ValueError(f"WORLD_SIZE={world} is not a multiple of LOCAL_WORLD_SIZE={local}")
+    if shared_store_breaks_restarts(env) and int(env.get("RANK", "0")) == 0:
+        warnings.warn(SHARED_STORE_WARNING, stacklevel=2)
+    return {"num_nodes": world // local, "devices": local}
+
+
+SHARED_STORE_WARNING = (
+    "torchrun shares its agent's TCPStore with the workers (TORCHELASTIC_USE_AGENT_STORE=True) and may restart "
+    "them (--max-restarts > 0): the store outlives a restart, so the restarted workers can read the dead round's "
+    "gloo/NCCL addresses and fail to connect ('Connection refused'; pytorch/pytorch#135712). Start torchrun with "
+    "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (docs/operations.md, 'Elastic resize')."
+)
+
+
+def shared_store_breaks_restarts(env: Optional[Mapping[str, str]] = None) -> bool:
+    """True under torchrun with the agent's store shared with the workers and restarts allowed."""
+    env = os.environ if env is None else env
+    shared = env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+    return shared and int(env.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0) > 0
+
+
+def restart_count(env: Optional[Mapping[str, str]] = None) -> int:
+    """How many times torchrun restarted the workers so far (``TORCHELASTIC_RESTART_COUNT``; 0 outside it)."""
+    env = os.environ if env is None else env
+    return int(env.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+
+
+def _is_sharded_directory(path: Path) -> bool:
+    return path.is_dir() and (path / ".metadata").is_file() and (path / "meta.pt").is_file()
+
+
+def _complete(path: Path) -> bool:
+    """A sharded directory that validates (complete, untruncated), or a non-empty checkpoint file."""
+    if path.is_dir():
+        try:
+            inspect_checkpoint(path)
+        except (CheckpointError, OSError, RuntimeError, ValueError):
+            return False
+        return True
+    try:
+        return path.is_file() and path.stat().st_size > 0
+    except OSError:
+        return False
+
+
+def _preference(entry: Path) -> tuple[bool, bool]:
+    return entry.name.startswith("."), entry.is_symlink()
+
+
+def checkpoint_candidates(dirpath: Union[str, os.PathLike]) -> list[Path]:
+    """The checkpoints in ``dirpath`` (not recursive), newest first: what :func:`newest_checkpoint` chooses from.
+
+    Visible entries: sharded checkpoint directories (any name) and ``*.ckpt`` files
+    (symlinks, ours or ``save_last="link"``, count once, as their target). Hidden
+    directories an interrupted save can leave: ``.ragged-partial-*`` and ``.ragged-old-*``
+    (a two-step publish; with one-rename publishing the partial one may also hold the
+    previous checkpoint, which is then older) and ``.ragged-data-*`` versions not yet
+    linked. Only directories with DCP's ``.metadata`` and ``meta.pt`` are listed;
+    :func:`newest_checkpoint` validates them (half-deleted or unfinished ones fail).
+    Ordered by modification time: when the checkpoint was completed (its last entries,
+    ``meta.pt`` and the checksums, were written into it; renames do not change it).
+    """
+    root = Path(dirpath)
+    if not root.is_dir():
+        return []
+    found: dict[str, Path] = {}
+    for entry in root.iterdir():
+        name = entry.name
+        hidden = name.startswith(".")
+        if hidden and not name.startswith(HIDDEN_PREFIXES):
+            continue
+        if hidden and not _is_sharded_directory(entry):
+            continue
+        if not hidden and not (_is_sharded_directory(entry) or (name.endswith(CHECKPOINT_SUFFIX) and entry.is_file())):
+            continue
+        try:
+            real = os.path.realpath(entry)
+        except OSError:
+            continue
+        # one entry per checkpoint: a visible name over a hidden one, a real one over a link
+        if real not in found or _preference(entry) < _preference(found[real]):
+            found[real] = entry
+    dated = []
+    for real, entry in found.items():
+        try:
+            dated.append((os.stat(real).st_mtime_ns, entry))
+        except OSError:
+            continue
+    return [entry for _, entry in sorted(dated, key=lambda item: item[0], reverse=True)]
+
+
+def newest_checkpoint(dirpath: Union[str, os.PathLike]) -> Optional[str]:
+    """The newest complete checkpoint in ``dirpath`` (``None`` if there is none): pass it as ``fit(ckpt_path=...)``.
+
+    Call it on every rank at every (re)start; on a shared file system they agree (the
+    strategy loads rank 0's choice anyway). A candidate that does not validate is skipped
+    for the next older one, so a damaged newest checkpoint costs steps, not the job.
+    """
+    for candidate in checkpoint_candidates(dirpath):
+        if _complete(candidate):
+            return str(candidate)
+    return None

@@ -54,11 +54,14 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 import lightning.pytorch as pl
-from lightning_ragged.checkpoint import LightningCheckpointIO
+from lightning_ragged.checkpoint import LightningCheckpointIO, release_meshes
 from lightning_ragged.fsdp import DEFAULT_DBUFFER_SIZE, fully_shard, get_state, no_sync
 from lightning_ragged.granularity import GranularityPolicy
+from lightning_ragged.knobs import check_strategy_knobs
 from lightning_ragged.meta_init import has_meta_tensors, materialize_meta_module
 from lightning_ragged.metrics import add_metrics_callback
+from lightning_ragged.preemption import attach as attach_slurm_requeue
+from lightning_ragged.model_summary import use_global_parameter_counts
 from lightning_ragged.precision import to_ragged_precision
 
 ModuleSpec = Union[type, str]
@@ -102,9 +105,20 @@ class RaggedFSDPStrategy(ParallelStrategy):
             while the Trainer runs; off by default.
         monitor_address: the address the endpoint binds to (loopback by default).
         process_group_backend: ``"gloo"``, ``"nccl"``...; default by device.
-        timeout: process-group timeout.
+        timeout: process-group timeout, a ``datetime.timedelta`` (an int/float is refused:
+            pass ``timedelta(seconds=30)``).
+        sync_module_states: every rank starts from rank 0's parameters and buffers (as DDP;
+            one flat scatter per DBuffer), so no ``seed_everything`` is needed for a common start.
+        broadcast_buffers: broadcast buffers (BatchNorm running statistics) from rank 0 before
+            each training forward, as DDP's knob of that name; no cost for a model without buffers.
+        trust_checkpoint: load checkpoints with full unpickling (code in them can run); only for
+            files you wrote with an older version. Off: ``UntrustedCheckpointError`` instead.
+        verify_checksums: check every data file's CRC-32 recorded at save (``ChecksumMismatchError``).
         **kwargs: forwarded to :func:`lightning_ragged.fully_shard` (e.g. ``reduce_mode``,
-            ``alignment``).
+            ``alignment``); other names are refused.
+
+    Every argument is validated here, before any process starts (``knobs.py``): a bad type
+    is a ``TypeError``, a bad value a ``ValueError``, each naming the knob, the value and the fix.
     """
 
     strategy_name = "ragged_fsdp"
@@ -134,8 +148,29 @@ class RaggedFSDPStrategy(ParallelStrategy):
         monitor_address: str = "127.0.0.1",
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
+        sync_module_states: bool = True,
+        broadcast_buffers: bool = True,
+        trust_checkpoint: bool = False,
+        verify_checksums: bool = True,
         **kwargs: Any,
     ) -> None:
+        # Every knob and **kwargs key is checked here, before any process starts (knobs.py).
+        check_strategy_knobs(
+            dict(
+                shard_granularity=shard_granularity, block_rows=block_rows, dbuffer_size=dbuffer_size,
+                planning_algorithm=planning_algorithm, reshard_after_forward=reshard_after_forward,
+                group_modules=group_modules, activation_checkpointing=activation_checkpointing,
+                replicate_degree=replicate_degree, state_dict_type=state_dict_type,
+                checkpoint_compression=checkpoint_compression, async_checkpoint=async_checkpoint,
+                sync_grads_each_micro_batch=sync_grads_each_micro_batch, metrics=metrics,
+                monitor_port=monitor_port, monitor_address=monitor_address,
+                process_group_backend=process_group_backend, timeout=timeout,
+                sync_module_states=sync_module_states, broadcast_buffers=broadcast_buffers,
+                trust_checkpoint=trust_checkpoint, verify_checksums=verify_checksums,
+            ),
+            kwargs,
+            owner=type(self).__name__,
+        )
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -143,10 +178,6 @@ class RaggedFSDPStrategy(ParallelStrategy):
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
         )
-        if state_dict_type not in STATE_DICT_TYPES:
-            raise ValueError(f"state_dict_type={state_dict_type!r} is not supported; use one of {STATE_DICT_TYPES}")
-        if not (replicate_degree == "node" or (isinstance(replicate_degree, int) and replicate_degree >= 1)):
-            raise ValueError(f"replicate_degree={replicate_degree!r} must be a positive int or 'node'")
         self.shard_granularity = shard_granularity
         self.block_rows = block_rows
         self.dbuffer_size = dbuffer_size
@@ -156,7 +187,10 @@ class RaggedFSDPStrategy(ParallelStrategy):
         self.activation_checkpointing = list(activation_checkpointing) if activation_checkpointing else []
         self.replicate_degree = replicate_degree
         self.state_dict_type = state_dict_type
-        self.ragged_checkpoints = LightningCheckpointIO(state_dict_type, checkpoint_compression, async_checkpoint)
+        self.ragged_checkpoints = LightningCheckpointIO(
+            state_dict_type, checkpoint_compression, async_checkpoint,
+            trust_checkpoint=trust_checkpoint, verify_checksums=verify_checksums,
+        )
         self.sync_grads_each_micro_batch = sync_grads_each_micro_batch
         self.metrics = metrics
         self.monitor_port = monitor_port
@@ -169,6 +203,8 @@ class RaggedFSDPStrategy(ParallelStrategy):
         self._replicate_group: Optional[dist.ProcessGroup] = None
         self._created_groups: list[dist.ProcessGroup] = []
         self._warned_sharded_checkpoint = False
+        self.sync_module_states = sync_module_states
+        self.broadcast_buffers = broadcast_buffers
 
     # ------------------------------------------------------------- properties
     @property
@@ -303,6 +339,10 @@ class RaggedFSDPStrategy(ParallelStrategy):
         add_metrics_callback(
             trainer, metrics=self.metrics, monitor_port=self.monitor_port, monitor_address=self.monitor_address
         )
+        # SLURM auto-requeue: Lightning registers its signal handlers right after `setup`; the requeue
+        # signal then only sets a flag that all ranks agree on at a batch end (preemption.py, issue 10).
+        attach_slurm_requeue(trainer, self.cluster_environment)
+        use_global_parameter_counts(trainer)  # ModelSummary counts unsharded parameters, not this rank's shards
         assert self.model is not None
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
@@ -343,6 +383,8 @@ class RaggedFSDPStrategy(ParallelStrategy):
             mp_policy=self.precision_plugin.mp_policy(),
             group_modules=group_modules,
             device=self.root_device,
+            sync_module_states=self.sync_module_states,
+            broadcast_buffers=self.broadcast_buffers,
             **self._engine_kwargs,
         )
         if on_meta:
@@ -444,9 +486,9 @@ class RaggedFSDPStrategy(ParallelStrategy):
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
         """Validate, load model and optimizer states in place (any saved layout); return the rest for Lightning.
 
-        The Trainer drops ``weights_only`` on this path (``restore_checkpoint_after_setup``):
-        ``None`` loads safe types first and falls back, with a warning, for trusted
-        objects such as hparams; ``True`` refuses them.
+        The Trainer drops ``weights_only`` on this path (``restore_checkpoint_after_setup``).
+        Files load weights-only (no code runs) unless the strategy has ``trust_checkpoint=True``;
+        an untrusted pickle raises ``UntrustedCheckpointError``, never a silent fallback.
         """
         assert self.model is not None and self.lightning_module is not None
         path = self.broadcast(checkpoint_path)
@@ -485,6 +527,7 @@ class RaggedFSDPStrategy(ParallelStrategy):
     def teardown(self) -> None:
         """Free the full buffers and gradients, destroy the HSDP groups; the shards stay usable."""
         self.ragged_checkpoints.teardown()  # an asynchronous save still in flight
+        release_meshes()  # they hold process groups that are destroyed below
         model = self.model
         if model is not None and getattr(model, "_ragged_fsdp_state", None) is not None:
             state = get_state(model)

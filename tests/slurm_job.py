@@ -1,9 +1,12 @@
 """A small 2-task training job for tests/test_slurm.py, launched by ``srun`` inside ``sbatch``.
 
     srun python tests/slurm_job.py --out DIR [--devices 2] [--num-nodes 1] [--max-steps 200]
+                                   [--replicate-degree {1,2,...,node}]
 
 ``Trainer(strategy="ragged_fsdp", accelerator="cpu", devices=2, num_nodes=1)`` under Lightning's
 ``SLURMEnvironment`` (detected from srun's variables; auto-requeue on SIGUSR1 is its default).
+With ``--replicate-degree`` the strategy is ``RaggedFSDPStrategy(replicate_degree=...)`` instead
+of the registered name (the two-node test: ``--num-nodes 2 --devices 1``, plain and HSDP).
 The model has several FSDP groups (all-gathers and reductions all through the step, so a
 signal lands inside different collectives on different ranks) and dropout (random ops whose
 RNG state must survive a requeue). The data of step ``s`` on rank ``r`` is drawn from a
@@ -85,6 +88,15 @@ class Regression(L.LightningModule):
 
 
 class Progress(L.Callback):
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # the HSDP groups (gone once fit returns); replicate_group is None without HSDP
+        replicate = getattr(trainer.strategy, "replicate_group", None)
+        shard = getattr(trainer.strategy, "shard_group", None)
+        pl_module.group_sizes = {  # type: ignore[assignment]
+            "replicate_size": dist.get_world_size(replicate) if replicate is not None else 1,
+            "shard_size": dist.get_world_size(shard) if shard is not None else trainer.world_size,
+        }
+
     def on_train_batch_end(self, trainer: L.Trainer, *args: object) -> None:
         if trainer.is_global_zero:
             print(f"PROGRESS step={trainer.global_step} t={time.monotonic() - START:.2f}", flush=True)
@@ -96,6 +108,7 @@ def main() -> None:
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--num-nodes", type=int, default=1)
     parser.add_argument("--max-steps", type=int, default=200)
+    parser.add_argument("--replicate-degree", default=None, help="RaggedFSDPStrategy(replicate_degree=...)")
     parser.add_argument("--sigterm-wait", type=float, default=None, help="SLURMRequeue(sigterm_wait_s=...)")
     args = parser.parse_args()
     out = Path(args.out)
@@ -103,8 +116,12 @@ def main() -> None:
     L.seed_everything(0, verbose=False)
     restart = int(os.environ.get("SLURM_RESTART_COUNT", "0"))
 
+    strategy: object = "ragged_fsdp"
+    if args.replicate_degree is not None:
+        degree = args.replicate_degree
+        strategy = lr.RaggedFSDPStrategy(replicate_degree=degree if degree == "node" else int(degree))
     trainer = L.Trainer(
-        strategy="ragged_fsdp",
+        strategy=strategy,
         accelerator="cpu",
         devices=args.devices,
         num_nodes=args.num_nodes,
@@ -144,6 +161,8 @@ def main() -> None:
 
 def write_result(trainer: L.Trainer, model: Regression, out: Path, environment: str, restart: int) -> None:
     full = lr.full_state_dict(model)  # collective, every rank
+    nodes: list = [None] * trainer.world_size
+    dist.all_gather_object(nodes, os.environ.get("SLURMD_NODENAME"))
     if trainer.is_global_zero:
         torch.save(full, out / "final.pt")
         result = {
@@ -152,6 +171,9 @@ def write_result(trainer: L.Trainer, model: Regression, out: Path, environment: 
             "global_step": trainer.global_step,
             "restart": restart,
             "losses": model.losses,
+            "nodes": nodes,
+            "num_nodes": trainer.num_nodes,
+            **getattr(model, "group_sizes", {}),
             "requeue_callback": any(isinstance(cb, SLURMRequeue) for cb in trainer.callbacks),
         }
         (out / "result.json").write_text(json.dumps(result))

@@ -20,6 +20,13 @@ time on the 4 CPUs); every wait has a deadline and every job still alive at the 
 
 ``RAGGED_SLURM_SEED`` fixes the random steps (shown in failures and, with ``-s``, in a summary).
 
+``test_two_node_training_under_slurm`` needs partition "two" (``.ci/slurm_up.sh --two-nodes``:
+nodes n1 and n2, one slurmd in each of two network namespaces joined through veths): one
+2-node x 1-task job, ``RaggedFSDPStrategy`` with ``num_nodes=2, devices=1`` and
+``GLOO_SOCKET_IFNAME`` set to each namespace's veth, trained plainly and with HSDP
+(``replicate_degree="node"``): the ranks run on different nodes and the loss falls. It runs
+after the jobs above (its own deadline, ~20 s); without the partition it skips (fails under CI=true).
+
 ``test_deferred_requeue_with_fake_slurm`` needs no Slurm (SLURM variables and a fake
 ``scontrol``): a signal to one rank only, a failing requeue (training goes on), then a
 successful one (SIGTERM absorbed, exit status 0).
@@ -71,7 +78,7 @@ def _slurm_missing() -> Optional[str]:
         return f"Slurm client tools not found: {', '.join(tools)} (as root: .ci/slurm_up.sh)"
     try:
         ping = subprocess.run(["scontrol", "ping"], capture_output=True, text=True, timeout=10)
-        nodes = subprocess.run(["sinfo", "-h", "-o", "%t %c"], capture_output=True, text=True, timeout=10).stdout
+        nodes = subprocess.run(["sinfo", "-h", "-N", "-o", "%t %c"], capture_output=True, text=True, timeout=10).stdout
     except subprocess.TimeoutExpired:
         return "the Slurm controller did not answer within 10 s"
     if "is UP" not in ping.stdout:
@@ -393,3 +400,82 @@ def test_preemption_requeue_resume_is_bit_exact(campaign: Campaign) -> None:
     print(f"\nRAGGED_SLURM_SEED={campaign.seed}; all jobs of the file took {campaign.seconds:.0f} s")
     print("\n".join(summary))
     assert not failures, f"RAGGED_SLURM_SEED={campaign.seed}\n" + "\n\n".join(failures)
+
+
+# ------------------------------------------------------------------------------- two nodes
+# `.ci/slurm_up.sh --two-nodes`: partition "two", nodes n1 and n2, one slurmd in each of two network
+# namespaces (veth rs-n1 at 10.213.0.1, rs-n2 at 10.213.0.2). The node names resolve nowhere, so
+# the job sets MASTER_ADDR to n1's address, and each task binds gloo to its namespace's veth.
+TWO_NODE_PARTITION = "two"
+TWO_NODE_MASTER_ADDR = "10.213.0.1"
+TWO_NODE_STEPS = 100
+TWO_NODE_DEADLINE_S = 120.0  # the whole job (two 100-step runs take ~20 s)
+TWO_NODE_RUNS = {"fsdp": "1", "hsdp": "node"}  # --replicate-degree of each srun step
+
+
+def _two_nodes_missing() -> Optional[str]:
+    try:
+        nodes = subprocess.run(["sinfo", "-h", "-N", "-p", TWO_NODE_PARTITION, "-o", "%N %t"],
+                               capture_output=True, text=True, timeout=10).stdout  # fmt: skip
+    except subprocess.TimeoutExpired:
+        return "the Slurm controller did not answer within 10 s"
+    up = {name for name, state in (line.split() for line in nodes.splitlines() if line.strip())
+          if state.rstrip("*~#$@") in ("idle", "mix", "alloc")}  # fmt: skip
+    if up != {"n1", "n2"}:
+        return (f"partition {TWO_NODE_PARTITION!r} does not have nodes n1 and n2 up (sinfo: {nodes.strip()!r}); "
+                "run .ci/slurm_up.sh --two-nodes")  # fmt: skip
+    return None
+
+
+@pytest.fixture(scope="module")
+def two_node_job(slurm: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Job]:
+    reason = _two_nodes_missing()
+    if reason is not None:
+        if os.environ.get("CI", "").lower() == "true":
+            pytest.fail(f"CI=true but the two-node Slurm partition is not usable: {reason}")
+        pytest.skip(reason)
+    job = Job("two-nodes", tmp_path_factory.mktemp("slurm-two"))
+    job.out.mkdir(parents=True, exist_ok=True)
+    steps = []
+    for name, degree in TWO_NODE_RUNS.items():
+        (job.out / name).mkdir()
+        task = (f"GLOO_SOCKET_IFNAME=rs-$SLURMD_NODENAME exec {sys.executable} {JOB_SCRIPT} --out {job.out / name} "
+                f"--num-nodes 2 --devices 1 --max-steps {TWO_NODE_STEPS} --replicate-degree {degree}")  # fmt: skip
+        steps.append(f"srun bash -c '{task}'")
+    env = {k: v for k, v in os.environ.items() if k not in LEAKY_ENV and not k.startswith("SLURM_")}
+    cmd = [
+        "sbatch", "--parsable", "--job-name", "ragged-two-nodes", "-p", TWO_NODE_PARTITION, "--nodes=2",
+        "--ntasks-per-node=1", "--cpus-per-task=1", "--no-requeue", "--output", str(job.out / "slurm-%j.out"),
+        f"--chdir={REPO}", "--export=ALL", "--wrap", f"export MASTER_ADDR={TWO_NODE_MASTER_ADDR}; " + " && ".join(steps),
+    ]  # fmt: skip
+    try:
+        result = subprocess.run(cmd, capture_output=True, text=True, timeout=30, env=env)
+        assert result.returncode == 0, f"sbatch failed ({result.returncode}): {result.stderr.strip()}"
+        job.id = result.stdout.strip().split(";")[0]
+        job.events["submitted"] = time.monotonic()
+        _drive([job], TWO_NODE_DEADLINE_S)
+        yield job
+    finally:
+        if job.id and job.phase != "done":
+            subprocess.run(["scancel", job.id], capture_output=True, timeout=30)
+
+
+@pytest.mark.parametrize("run", list(TWO_NODE_RUNS))
+def test_two_node_training_under_slurm(two_node_job: Job, run: str) -> None:
+    """2 nodes x 1 task (``num_nodes=2, devices=1``), each node its own network namespace: the
+    ranks sit on different nodes, the loss falls; ``hsdp``: ``replicate_degree="node"`` gives 2
+    replicas of 1 shard."""
+    job = two_node_job
+    assert job.phase == "done" and job.state == "COMPLETED", job.describe()
+    assert sorted(job.info.get("NodeList", "").replace("n[1-2]", "n1,n2").split(",")) == ["n1", "n2"], job.info
+    path = job.out / run / "result.json"
+    assert path.exists(), f"no {run}/result.json\n{job.describe()}"
+    result = json.loads(path.read_text())
+    assert result["environment"] == "SLURMEnvironment", result["environment"]
+    assert result["world_size"] == 2 and result["num_nodes"] == 2 and result["global_step"] == TWO_NODE_STEPS
+    assert sorted(result["nodes"]) == ["n1", "n2"], f"ranks on nodes {result['nodes']}"
+    expected = (2, 1) if run == "hsdp" else (1, 2)
+    assert (result["replicate_size"], result["shard_size"]) == expected, result
+    losses = result["losses"]
+    first, last = sum(losses[:10]) / 10, sum(losses[-10:]) / 10
+    assert last < 0.5 * first, f"the loss did not fall: first 10 steps {first:.4f}, last 10 {last:.4f}"

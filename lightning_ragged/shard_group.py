@@ -52,10 +52,6 @@ class ShardGroup:
     def is_unsharded(self) -> bool:
         return all(bucket.is_unsharded for bucket in self.buckets)
 
-    @property
-    def trainable(self) -> bool:
-        return any(bucket.trainable for bucket in self.buckets)
-
     def unsharded_params(self) -> Iterator[tuple[DBuffer, str, nn.Parameter]]:
         for bucket in self.buckets:
             for name, param in bucket.unsharded_params.items():

@@ -54,7 +54,7 @@ from torch import nn  # noqa: E402
 from models import GPTConfig, count_params, lm_loss, make_batches, make_gpt  # noqa: E402
 from report import write_section  # noqa: E402
 
-from lightning_ragged.copy_accounting import COPY_OPS, CopyCounter  # noqa: E402
+from lightning_ragged.observability.copy_counter import COPY_OPS, CopyCounter  # noqa: E402
 
 FRAMEWORKS = ("ragged", "fsdp2", "ddp")
 WORLD_SIZE = 2
@@ -432,7 +432,7 @@ def render(result: dict[str, Any], cfg: GPTConfig, opts: dict[str, Any], load: t
         "- step: wall time of zero_grad + forward + backward + `optimizer.step()` on each rank, median over the timed "
         "steps; fwd+bwd and optimizer are the medians of the two parts. \"per round\": median over rounds of "
         "(this framework's median step in the round / FSDP2's in the same round).",
-        "- engine copy: bytes written by copy-like aten ops (`lightning_ragged.copy_accounting.CopyCounter`) during one "
+        "- engine copy: bytes written by copy-like aten ops (`lightning_ragged.observability.copy_counter.CopyCounter`) during one "
         "forward+backward, minus the single-process model's own copies "
         f"({mib(baseline)} MiB: "
         + ", ".join(f"`{op}` {mib(b)}" for op, b in sorted(counts["local"]["copy_by_op"].items()))

@@ -73,8 +73,8 @@ def _step(variant: str, model, optimizer, tokens) -> None:
 def worker(rank: int, world: int, init_file: str, args: argparse.Namespace, out: str) -> None:
     import torch.distributed as dist
 
-    from lightning_ragged.copy_accounting import CopyCounter
-    from lightning_ragged.metrics import EngineMetrics
+    from lightning_ragged.observability.copy_counter import CopyCounter
+    from lightning_ragged.observability.metrics import EngineMetrics
     from models import GPTConfig, make_batches
 
     torch.cuda.set_device(rank)

@@ -34,7 +34,7 @@ from models import GPT, GPTConfig  # noqa: E402
 from report import write_section  # noqa: E402
 
 import lightning_ragged as lr  # noqa: E402
-from lightning_ragged.metrics import EngineMetrics  # noqa: E402
+from lightning_ragged.observability.metrics import EngineMetrics  # noqa: E402
 
 CONFIG = GPTConfig(vocab=2048, width=192, layers=4, heads=4, seq=64)
 BATCH = 4  # per rank
@@ -54,11 +54,11 @@ def _wrapper_cost(model, repeats: int = 20000) -> float:
     ``wait_unshard`` with nothing pending and ``reshard`` of a sharded buffer run the whole
     wrapper logic except the timed branch (two ``perf_counter`` calls, about 0.1 us more).
     """
-    bucket = next(lr.get_state(model).buckets())
+    dbuffer = next(lr.get_state(model).dbuffers())
     costs = []
     for name in ("wait_unshard", "reshard"):
-        original = getattr(type(bucket), name).__get__(bucket)
-        wrapped_call = getattr(bucket, name)
+        original = getattr(type(dbuffer), name).__get__(dbuffer)
+        wrapped_call = getattr(dbuffer, name)
         best = []
         for call in (original, wrapped_call):
             started = time.perf_counter()
@@ -73,21 +73,21 @@ def _count_calls(model, tokens, optimizer) -> int:
     """Wrapped DBuffer calls in one step."""
     calls = 0
     patched = []
-    for bucket in lr.get_state(model).buckets():
+    for dbuffer in lr.get_state(model).dbuffers():
         for name in ("unshard", "wait_unshard", "reshard", "reduce_grad", "finish_reduce",
                      "prepare_unsharded_grad", "free_unsharded_grad"):
-            inner = getattr(bucket, name)
+            inner = getattr(dbuffer, name)
 
             def counting(*args, _inner=inner, **kwargs):
                 nonlocal calls
                 calls += 1
                 return _inner(*args, **kwargs)
 
-            setattr(bucket, name, counting)
-            patched.append((bucket, name, inner))
+            setattr(dbuffer, name, counting)
+            patched.append((dbuffer, name, inner))
     _step(model, optimizer, tokens)
-    for bucket, name, inner in patched:
-        setattr(bucket, name, inner)
+    for dbuffer, name, inner in patched:
+        setattr(dbuffer, name, inner)
     return calls
 
 
@@ -132,11 +132,11 @@ def worker(rank: int, init_file: str, rounds: int, steps: int, out: str) -> None
         metrics.compute()
     compute = (time.perf_counter() - started) / 100
     metrics.close()
-    buckets = sum(1 for _ in lr.get_state(model).buckets())
+    dbuffers = sum(1 for _ in lr.get_state(model).dbuffers())
     params = sum(p.numel() for p in GPT(CONFIG).parameters())
     if rank == 0:
         torch.save(dict(times=times, wrapper=wrapper, calls=calls, end_step=end_step, compute=compute,
-                        buckets=buckets, params=params), out)
+                        dbuffers=dbuffers, params=params), out)
     dist.destroy_process_group()
 
 
@@ -151,7 +151,7 @@ def render(result: dict, rounds: int, steps: int, wall: float) -> str:
         "",
         "Written by `benchmarks/observability_bench.py`. 2 gloo processes, 1 thread each, `fully_shard` "
         f"(defaults) on the benchmark GPT ({result['params']:,} parameters: width {CONFIG.width}, "
-        f"{CONFIG.layers} blocks, seq {CONFIG.seq}, vocab {CONFIG.vocab}; {result['buckets']} DBuffers), "
+        f"{CONFIG.layers} blocks, seq {CONFIG.seq}, vocab {CONFIG.vocab}; {result['dbuffers']} DBuffers), "
         f"AdamW, batch {BATCH} per rank. {rounds * steps} pairs of steps (one off, one on; the order alternating); "
         f"\"on\" = `EngineMetrics` probes + `end_step()` every step + `compute()` every {LOG_EVERY} steps "
         "(what `RaggedFSDPMetrics` does) on one of two identical sharded models, the other without probes. Machine: "

@@ -91,7 +91,7 @@ def _ragged(granularity: str) -> dict:
 
     seconds, collectives, sent = _time_steps(step, set_grads)
     loads = muon.last_plan.flops_per_rank[0]
-    layouts = [bucket.layout for bucket in get_state(model).buckets()]
+    layouts = [dbuffer.layout for dbuffer in get_state(model).dbuffers()]
     padding = sum(l.padding for l in layouts) / sum(l.buffer_numel for l in layouts)
     return dict(seconds=seconds, collectives=collectives, sent=sent, loads=loads, padding=padding,
                 split=muon.last_plan.split, matrices=len(params))

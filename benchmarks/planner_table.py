@@ -1,7 +1,7 @@
 """Plan one transformer block of production models and report plan time, segment size and padding.
 
 One block is one FSDP group. Shapes are those of the plan CLI's presets
-(``lightning_ragged.plan_cli.PRESETS``: the fields of the models' public
+(``lightning_ragged.cli.plan.PRESETS``: the fields of the models' public
 ``config.json`` files that the shapes need). Run from the repository
 root: ``python benchmarks/planner_table.py``; it prints the table and rewrites the
 "planner" section of ``benchmarks/RESULTS.md``.
@@ -30,8 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from report import write_section  # noqa: E402
 
-from lightning_ragged.plan_cli import PRESETS, Shapes, describe_model  # noqa: E402
-from lightning_ragged.planning import TensorSpec, plan, segment_lower_bound  # noqa: E402
+from lightning_ragged.cli.plan import PRESETS, Shapes, describe_model  # noqa: E402
+from lightning_ragged.layout.planner import TensorSpec, plan, segment_lower_bound  # noqa: E402
 
 WORLD_SIZES = (64, 1024, 10_000)
 ROW_MULTIPLES = (1, 16, 128)

@@ -7,7 +7,7 @@ RESULTS.md with ``report.write_section``. This script writes two more: ``about``
 top (machine, versions, settings, method) and ``run`` at the end (what ran, how long,
 what is missing or failed, and the plots). Scripts find the plot folder in the
 environment variable ``RAGGED_BENCH_PLOT_DIR`` (``benchmarks/plots``); the planner's
-padding-vs-world-size plots are drawn here with ``lightning_ragged.plan_cli``.
+padding-vs-world-size plots are drawn here with ``lightning_ragged.cli.plan``.
 
 Parts run in the order below; any other ``benchmarks/*_bench.py`` runs after them.
 """
@@ -105,8 +105,7 @@ def put_first(name: str, markdown: str, path: Path) -> None:
 
 
 def draw_planner_plots() -> list[str]:
-    from lightning_ragged import plan_cli
-
+    from lightning_ragged.cli import plan as plan_cli
     notes = []
     PLOT_DIR.mkdir(parents=True, exist_ok=True)
     for preset in PLOT_PRESETS:

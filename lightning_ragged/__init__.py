@@ -1,7 +1,7 @@
 """lightning_ragged: veScale-style FSDP with ragged, structure-aware shards for PyTorch Lightning."""
 
-from lightning_ragged.errors import DBufferAlignmentError, RaggedShardBoundaryViolation
-from lightning_ragged.fsdp import (
+from lightning_ragged.layout.errors import DBufferAlignmentError, RaggedShardBoundaryViolation
+from lightning_ragged.engine.api import (
     fully_shard,
     full_state_dict,
     get_state,
@@ -9,12 +9,12 @@ from lightning_ragged.fsdp import (
     no_sync,
     set_requires_gradient_sync,
 )
-from lightning_ragged.fsdp_module import FSDPModule
-from lightning_ragged.grad_clip import clip_grad_norm_, clip_grad_value_
-from lightning_ragged.planning import Layout, TensorSpec, plan
-from lightning_ragged.ragged_shard import RaggedShard
-from lightning_ragged.registration import register_ragged_fsdp
-from lightning_ragged.wrapper import FullyShardedDataParallel
+from lightning_ragged.engine.fsdp_module import FSDPModule
+from lightning_ragged.engine.grad_clip import clip_grad_norm_, clip_grad_value_
+from lightning_ragged.layout.planner import Layout, TensorSpec, plan
+from lightning_ragged.layout.ragged_shard import RaggedShard
+from lightning_ragged.lightning.registration import register_ragged_fsdp
+from lightning_ragged.engine.wrapper import FullyShardedDataParallel
 
 __all__ = [
     "DBufferAlignmentError",
@@ -44,7 +44,7 @@ register_ragged_fsdp()
 
 def __getattr__(name: str):
     if name == "RaggedFSDPStrategy":
-        from lightning_ragged.strategy import RaggedFSDPStrategy
+        from lightning_ragged.lightning.strategy import RaggedFSDPStrategy
 
         return RaggedFSDPStrategy
     if name == "optim":  # `import lightning_ragged; lightning_ragged.optim.Muon` without a second import

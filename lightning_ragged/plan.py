@@ -1,28 +1,20 @@
-"""``python -m lightning_ragged.plan``: the plan report CLI (the code is in ``plan_cli.py``).
+"""``python -m lightning_ragged.plan``: a thin entry; the CLI is ``lightning_ragged.cli.plan``.
 
-``lightning_ragged.plan`` is also the planner *function* (``from lightning_ragged import
-plan``). Importing this module as ``lightning_ragged.plan`` makes Python bind the module
-to the package attribute ``plan``, over the function; so the module is made callable and
-forwards calls to :func:`lightning_ragged.planning.plan`: ``lightning_ragged.plan(specs,
-world_size)`` keeps working whichever was imported first. Run as ``-m`` it only runs the
-CLI (the package's ``plan`` function is untouched).
+``lightning_ragged.plan`` is the planner *function* (``from lightning_ragged import plan``);
+this file only exists so that ``python -m lightning_ragged.plan`` runs the CLI (``-m`` finds
+the file without binding it to the package). Importing it as a module would rebind
+``lightning_ragged.plan`` from the function to this module, so that is refused with the two
+names to use instead.
 """
 
-from __future__ import annotations
-
 import sys
-import types
 
-from lightning_ragged.plan_cli import main
-from lightning_ragged.planning import plan as _plan
+if __name__ != "__main__":
+    raise ImportError(
+        "lightning_ragged.plan is the planner function (from lightning_ragged import plan); the plan report CLI "
+        "is lightning_ragged.cli.plan (python -m lightning_ragged.plan runs it)"
+    )
 
+from lightning_ragged.cli.plan import main
 
-class _CallablePlanModule(types.ModuleType):
-    def __call__(self, *args, **kwargs):  # type: ignore[no-untyped-def]
-        return _plan(*args, **kwargs)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
-else:
-    sys.modules[__name__].__class__ = _CallablePlanModule
+sys.exit(main())

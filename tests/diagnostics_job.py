@@ -25,7 +25,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import lightning_ragged as lr  # noqa: E402
-from lightning_ragged.probes import probe  # noqa: E402
+from lightning_ragged.observability.probes import probe  # noqa: E402
 from tests.models import lm_loss, make_batches, make_model  # noqa: E402
 
 TIMEOUT_S = 60.0

@@ -42,8 +42,8 @@ import lightning.pytorch as L  # noqa: E402
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint  # noqa: E402
 
 from lightning_ragged import full_state_dict  # noqa: E402
-from lightning_ragged.elastic import newest_checkpoint, restart_count, torchrun_world  # noqa: E402
-from lightning_ragged.strategy import RaggedFSDPStrategy  # noqa: E402
+from lightning_ragged.lightning.elastic import newest_checkpoint, restart_count, torchrun_world  # noqa: E402
+from lightning_ragged.lightning.strategy import RaggedFSDPStrategy  # noqa: E402
 from tests.lightning_models import LitTinyGPT, token_loader  # noqa: E402
 
 MAX_STEPS = 8

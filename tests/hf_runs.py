@@ -89,12 +89,12 @@ def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 def counted_root_fraction(state) -> float:
     """Fraction of the model's (unique) parameter elements that live in the root group's DBuffers."""
 
-    def numel(buckets) -> int:
-        return sum(p.ragged_shard.numel for bucket in buckets for p in bucket.sharded_params.values())
+    def numel(dbuffers) -> int:
+        return sum(p.ragged_shard.numel for dbuffer in dbuffers for p in dbuffer.sharded_params.values())
 
-    everything = [bucket for group in state.all_groups for bucket in group.buckets] if hasattr(
-        state, "all_groups") else [bucket for bucket in state.buckets()]
-    return numel(state.root_group.buckets) / numel(everything)
+    everything = [dbuffer for group in state.all_groups for dbuffer in group.dbuffers] if hasattr(
+        state, "all_groups") else [dbuffer for dbuffer in state.dbuffers()]
+    return numel(state.root_group.dbuffers) / numel(everything)
 
 
 def run_kind(results: dict, kind: str) -> None:

@@ -168,7 +168,7 @@ def main_mode(results: dict) -> None:
     results["bf16_mixed_losses"] = mixed.losses
     state = get_state(mixed)
     results["bf16_mixed_dtypes"] = sorted({
-        f"{bucket.master_dtype}/{bucket.param_dtype}/{bucket.reduce_dtype}" for bucket in state.buckets()
+        f"{dbuffer.master_dtype}/{dbuffer.param_dtype}/{dbuffer.reduce_dtype}" for dbuffer in state.dbuffers()
     })
     _, half = fit("ragged_fsdp", steps=16, precision="bf16-true")
     results["bf16_true_losses"] = half.losses

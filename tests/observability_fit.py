@@ -22,7 +22,7 @@ from lightning.pytorch.loggers.logger import Logger  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
 import lightning_ragged as lr  # noqa: E402
-from lightning_ragged.metrics import RaggedFSDPMetrics  # noqa: E402
+from lightning_ragged.observability.metrics import RaggedFSDPMetrics  # noqa: E402
 from tests.models import lm_loss, make_batches, make_model  # noqa: E402
 
 STEPS = 6
@@ -112,14 +112,14 @@ def main() -> None:
     buffers = [
         dict(
             # metrics label a group's DBuffers "name#i" when it has several (the root has two)
-            group=group.name if len(group.buckets) == 1 else f"{group.name}#{index}",
+            group=group.name if len(group.dbuffers) == 1 else f"{group.name}#{index}",
             root=group.is_root,
-            bytes=bucket.layout.buffer_numel * bucket.unsharded.element_size(),
-            segment_size=bucket.layout.segment_size,
-            padding_ratio=bucket.layout.padding_ratio,
+            bytes=dbuffer.layout.buffer_numel * dbuffer.unsharded.element_size(),
+            segment_size=dbuffer.layout.segment_size,
+            padding_ratio=dbuffer.layout.padding_ratio,
         )
         for group in state.all_groups
-        for index, bucket in enumerate(group.buckets)
+        for index, dbuffer in enumerate(group.dbuffers)
     ]
     records = [(step, {k: v for k, v in m.items() if k.startswith("ragged_fsdp/")}) for step, m in logger.records]
     Path(out).write_text(json.dumps(dict(seen=probe.seen, after_fit=after, buffers=buffers, records=records)))

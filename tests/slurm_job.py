@@ -37,7 +37,7 @@ from torch.utils.data import DataLoader
 
 import lightning.pytorch as L
 import lightning_ragged as lr
-from lightning_ragged.preemption import SLURMRequeue
+from lightning_ragged.lightning.preemption import SLURMRequeue
 
 WIDTH, DEPTH, BATCH = 128, 6, 32
 
@@ -90,8 +90,8 @@ class Regression(L.LightningModule):
 class Progress(L.Callback):
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         # the HSDP groups (gone once fit returns); replicate_group is None without HSDP
-        replicate = getattr(trainer.strategy, "replicate_group", None)
-        shard = getattr(trainer.strategy, "shard_group", None)
+        replicate = getattr(trainer.strategy, "replicate_process_group", None)
+        shard = getattr(trainer.strategy, "shard_process_group", None)
         pl_module.group_sizes = {  # type: ignore[assignment]
             "replicate_size": dist.get_world_size(replicate) if replicate is not None else 1,
             "shard_size": dist.get_world_size(shard) if shard is not None else trainer.world_size,

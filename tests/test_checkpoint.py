@@ -334,7 +334,7 @@ def test_consolidated_file_is_an_ordinary_checkpoint(reshard_root, tmp_path) -> 
     path = Path(reshard_root, "w2-row-optimal")
     if not path.exists():
         pytest.skip("needs the 2-rank checkpoints of the resharding test")
-    from lightning_ragged.consolidate import main
+    from lightning_ragged.cli.consolidate import main
 
     assert main([str(path), str(tmp_path / "out.ckpt")]) == 0
     checkpoint = torch.load(tmp_path / "out.ckpt", weights_only=True)  # plain torch, no lightning_ragged types
@@ -573,7 +573,7 @@ def test_zero_dim_parameter_reshards(dist_pool, zero_dim, saved_at: int, resumed
 
 
 def test_zero_dim_parameter_keeps_its_shape_in_full_and_consolidated_files(zero_dim, tmp_path) -> None:
-    from lightning_ragged.consolidate import main
+    from lightning_ragged.cli.consolidate import main
 
     root, oracle, saved = zero_dim
     assert main([f"{root}/z3", str(tmp_path / "z3.ckpt")]) == 0  # python -m lightning_ragged.consolidate

@@ -35,9 +35,9 @@ import torch
 import torch.distributed as dist
 
 import lightning_ragged as lr
-from lightning_ragged import atomic_dir
+from lightning_ragged.checkpoint.core import atomic_dir
 from lightning_ragged import checkpoint as ck
-from lightning_ragged.diagnostics import CollectiveTimeoutError
+from lightning_ragged.observability.diagnostics import CollectiveTimeoutError
 from tests.models import lm_loss, make_batches, make_model
 
 STEPS = 3

@@ -205,7 +205,7 @@ def resume_mode(root: Path, results: dict) -> None:
     if rank == 0:  # both consolidation CLIs, run in this process to save start-ups
         import runpy
 
-        from lightning_ragged.consolidate import main as consolidate
+        from lightning_ragged.cli.consolidate import main as consolidate
 
         results["ours_rc"] = consolidate([str(root / "ckpts" / "last.ckpt"), str(root / "ours.ckpt")])
         argv = sys.argv

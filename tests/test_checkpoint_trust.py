@@ -23,8 +23,8 @@ import torch.distributed as dist
 
 import lightning_ragged as lr
 from lightning_ragged import checkpoint as ck
-from lightning_ragged import checksums
-from lightning_ragged.consolidate import main as consolidate_main
+from lightning_ragged.checkpoint.core import checksums
+from lightning_ragged.cli.consolidate import main as consolidate_main
 from tests.models import lm_loss, make_batches, make_model
 
 CORRUPT = b"\xff" * 256

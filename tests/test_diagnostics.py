@@ -18,8 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_ragged import diagnostics
-
+from lightning_ragged.observability import diagnostics
 ROOT = Path(__file__).resolve().parent.parent
 JOB = ROOT / "tests" / "diagnostics_job.py"
 WORLD = 3

@@ -41,9 +41,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lightning_ragged.checkpoint import inspect_checkpoint
-from lightning_ragged.consolidate import consolidate
-from lightning_ragged.elastic import checkpoint_candidates, newest_checkpoint, restart_count, torchrun_world
+from lightning_ragged.checkpoint.core import inspect_checkpoint
+from lightning_ragged.checkpoint.consolidation import consolidate
+from lightning_ragged.lightning.elastic import checkpoint_candidates, newest_checkpoint, restart_count, torchrun_world
 
 ROOT = Path(__file__).resolve().parent.parent
 JOB = ROOT / "tests" / "elastic_job.py"
@@ -73,7 +73,7 @@ def test_torchrun_world_and_restart_count_from_the_environment():
 
 
 def _save_plain_checkpoint(path: Path, step: int) -> None:
-    from lightning_ragged.checkpoint import save
+    from lightning_ragged.checkpoint.core import save
 
     save(path, torch.nn.Linear(3, 2), extra={"global_step": step})
 
@@ -81,8 +81,8 @@ def _save_plain_checkpoint(path: Path, step: int) -> None:
 def test_newest_checkpoint_finds_hidden_complete_copies(tmp_path):
     """What an interrupted save can leave: no ``last.ckpt`` (a two-step publish killed between its renames), an
     unfinished copy, a half-deleted one, a hidden version not yet linked; the newest complete one is chosen."""
-    from lightning_ragged.checkpoint import OLD_PREFIX, TMP_PREFIX, _hidden_sibling
-    from lightning_ragged.elastic import VERSION_PREFIX
+    from lightning_ragged.checkpoint.core import OLD_PREFIX, TMP_PREFIX, _hidden_sibling
+    from lightning_ragged.lightning.elastic import VERSION_PREFIX
 
     assert newest_checkpoint(tmp_path) is None and newest_checkpoint(tmp_path / "absent") is None
     last = tmp_path / "last.ckpt"

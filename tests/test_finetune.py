@@ -56,17 +56,17 @@ def _delta(after: tuple, before: tuple) -> tuple:
 def _expected_reductions(state) -> tuple[int, int]:
     """One reduction of the whole flat buffer for every DBuffer holding a trainable parameter; none otherwise."""
     count = nbytes = 0
-    for bucket in state.buckets():
-        params = list(bucket.sharded_params.values())
+    for dbuffer in state.dbuffers():
+        params = list(dbuffer.sharded_params.values())
         if any(p.requires_grad for p in params):
             count += 1
-            nbytes += bucket.layout.buffer_numel * params[0].element_size()  # fp32 master = reduce dtype
+            nbytes += dbuffer.layout.buffer_numel * params[0].element_size()  # fp32 master = reduce dtype
     return count, nbytes
 
 
 def _buffers(state) -> list[tuple[bool, bool]]:
     """(unsharded parameters allocated, unsharded gradient allocated) for every DBuffer."""
-    return [(bucket.is_unsharded, bucket.has_unsharded_grad) for bucket in state.buckets()]
+    return [(dbuffer.is_unsharded, dbuffer.has_unsharded_grad) for dbuffer in state.dbuffers()]
 
 
 def _frozen_with_grad(model: nn.Module) -> list[str]:
@@ -160,7 +160,7 @@ def check_frozen_trunk() -> dict:
         reference_opt.step()
         reference_opt.zero_grad()
     result = _split_diff(lr.full_state_dict(model), reference, initial)
-    frozen_buckets = sum(not any(p.requires_grad for p in b.sharded_params.values()) for b in state.buckets())
+    frozen_buckets = sum(not any(p.requires_grad for p in b.sharded_params.values()) for b in state.dbuffers())
     result.update(
         expected=expected,
         reductions=reductions,

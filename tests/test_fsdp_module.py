@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch import nn
 
 import lightning_ragged as lr
-from lightning_ragged.grouping import stack_blocks
+from lightning_ragged.engine.grouping import stack_blocks
 from tests.models import TinyBlock, lm_loss, make_batches, make_model
 from tests.test_fully_shard import BATCH, _local, check_training_matches_single_process
 
@@ -24,10 +24,10 @@ def check_reshard_to_smaller_group(size: int) -> dict:
     loss = lm_loss(model, _local(make_batches(1, BATCH)[0]))
     kept = [
         (b.is_unsharded, None if b._partial is None else b._partial.numel(), b.layout.buffer_numel)
-        for g in state.groups for b in g.buckets
+        for g in state.groups for b in g.dbuffers
     ]
     loss.backward()
-    left = [b._partial is not None or b.is_unsharded for b in state.buckets()]
+    left = [b._partial is not None or b.is_unsharded for b in state.dbuffers()]
     return {"kept": kept, "left": left}
 
 
@@ -110,7 +110,7 @@ def check_loop_with_module_methods(steps: int = 3) -> dict:
         reference_opt.zero_grad()
     full, expected = lr.full_state_dict(model), reference.state_dict()
     return {"max_diff": max((full[k] - expected[k]).abs().max().item() for k in expected),
-            "kept_unsharded": kept_unsharded, "left": [b.is_unsharded for b in state.buckets()]}
+            "kept_unsharded": kept_unsharded, "left": [b.is_unsharded for b in state.dbuffers()]}
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
@@ -168,14 +168,14 @@ def check_views_are_aligned(mixed: bool) -> list[int]:
     model = lr.fully_shard(make_model(), mp_policy=policy)
     state = lr.get_state(model)
     misaligned = []
-    for bucket in state.buckets():
-        bucket.unshard()
-        for name, param in bucket.unsharded_params.items():
-            if param.numel() and (param.data_ptr() % 16 or bucket.layout.offsets[name] % bucket.layout.alignment):
+    for dbuffer in state.dbuffers():
+        dbuffer.unshard()
+        for name, param in dbuffer.unsharded_params.items():
+            if param.numel() and (param.data_ptr() % 16 or dbuffer.layout.offsets[name] % dbuffer.layout.alignment):
                 misaligned.append(name)
-        start = bucket.sharded.data_ptr()
-        misaligned += [n for n, p in bucket.sharded_params.items() if p.numel() and (p.data_ptr() - start) % 16]
-        bucket.reshard()
+        start = dbuffer.sharded.data_ptr()
+        misaligned += [n for n, p in dbuffer.sharded_params.items() if p.numel() and (p.data_ptr() - start) % 16]
+        dbuffer.reshard()
     return misaligned
 
 

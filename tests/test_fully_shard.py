@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch import nn
 
 import lightning_ragged as lr
-from lightning_ragged.copy_accounting import CopyCounter
+from lightning_ragged.observability.copy_counter import CopyCounter
 from tests.models import TinyBlock, lm_loss, make_batches, make_model
 
 STEPS = 5
@@ -64,11 +64,11 @@ def check_training_matches_single_process(shard_kwargs: dict, accumulate: bool =
         reference_loss.backward()
         reference_opt.step()
         reference_opt.zero_grad()
-    buckets = sum(len(group.buckets) for group in state.all_groups)
+    dbuffers = sum(len(group.dbuffers) for group in state.all_groups)
     return {
         "max_diff": _max_diff(lr.full_state_dict(model), reference),
         "reduces_per_step": reduces_per_step,
-        "buckets": buckets,
+        "dbuffers": dbuffers,
     }
 
 
@@ -92,9 +92,9 @@ SHARDINGS = {
 def test_training_matches_single_process(dist_pool, world_size, sharding):
     results = dist_pool(world_size).run(check_training_matches_single_process, SHARDINGS[sharding])
     assert max(r["max_diff"] for r in results) <= 1e-5, results[0]
-    assert all(count == results[0]["buckets"] for count in results[0]["reduces_per_step"])
+    assert all(count == results[0]["dbuffers"] for count in results[0]["reduces_per_step"])
     if sharding == "row-small-dbuffers":
-        assert results[0]["buckets"] > 3  # the small dbuffer_size really split groups into several buffers
+        assert results[0]["dbuffers"] > 3  # the small dbuffer_size really split groups into several buffers
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
@@ -112,7 +112,7 @@ def check_layout_views_and_names() -> dict:
     state = lr.get_state(model)
     sharded = dict(model.named_parameters())
     assert list(sharded) == names
-    storages = {bucket.sharded.untyped_storage().data_ptr() for bucket in state.buckets()}
+    storages = {dbuffer.sharded.untyped_storage().data_ptr() for dbuffer in state.dbuffers()}
     total_local = 0
     for name, param in sharded.items():
         shard = param.ragged_shard
@@ -125,7 +125,7 @@ def check_layout_views_and_names() -> dict:
         assert all(cut % row == 0 for cut in shard.cut_offsets()), f"{name} cut inside a row"
         total_local += param.numel()
     assert model.head.weight is model.embed.weight
-    return {"local": total_local, "segments": sum(b.layout.segment_size for b in state.buckets())}
+    return {"local": total_local, "segments": sum(b.layout.segment_size for b in state.dbuffers())}
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
@@ -141,15 +141,15 @@ def check_memory_after_forward() -> dict:
     model = lr.fully_shard(make_model(), shard_granularity="row")
     state = lr.get_state(model)
     loss = lm_loss(model, _local(make_batches(1, BATCH)[0]))
-    after_forward = {g.name: [b.is_unsharded for b in g.buckets] for g in state.groups}
+    after_forward = {g.name: [b.is_unsharded for b in g.dbuffers] for g in state.groups}
     root_after_forward = state.root_group.is_unsharded
     loss.backward()
     allocated_after_backward = [
-        (b.is_unsharded, b.has_unsharded_grad) for g in state.all_groups for b in g.buckets
+        (b.is_unsharded, b.has_unsharded_grad) for g in state.all_groups for b in g.dbuffers
     ]
     with torch.no_grad():
         model(_local(make_batches(1, BATCH)[0])[:, :-1])
-    allocated_after_eval = [b.is_unsharded for b in state.buckets()]
+    allocated_after_eval = [b.is_unsharded for b in state.dbuffers()]
     return {
         "after_forward": after_forward,
         "root_after_forward": root_after_forward,
@@ -204,17 +204,17 @@ def check_collectives_per_step() -> dict:
     model = lr.fully_shard(make_model(), shard_granularity="row")
     state = lr.get_state(model)
     reduced = []
-    for bucket in state.buckets():
-        original = bucket.reduce_grad
-        bucket.reduce_grad = lambda *a, b=bucket, f=original, **k: (reduced.append(list(b.unsharded_params)), f(*a, **k))[1]
+    for dbuffer in state.dbuffers():
+        original = dbuffer.reduce_grad
+        dbuffer.reduce_grad = lambda *a, b=dbuffer, f=original, **k: (reduced.append(list(b.unsharded_params)), f(*a, **k))[1]
     lm_loss(model, _local(make_batches(1, BATCH)[0])).backward()
     stats = state.stats
-    buffers = list(state.buckets())
+    buffers = list(state.dbuffers())
     return {
         "all_gathers": stats.all_gathers,
         "reduces": stats.reduces,
-        "block_buffers": sum(len(group.buckets) for group in state.groups),
-        "root_buffers": len(state.root_group.buckets),
+        "block_buffers": sum(len(group.dbuffers) for group in state.groups),
+        "root_buffers": len(state.root_group.dbuffers),
         "buffers": len(buffers),
         "reduced": reduced,
         "all_gather_bytes": stats.all_gather_bytes,
@@ -258,8 +258,8 @@ def check_mixed_precision() -> dict:
         loss.backward()
         losses.append(loss.item())
         dtypes = {
-            "master": {b.sharded.dtype for b in state.buckets()},
-            "unsharded": {b.unsharded.dtype for b in state.buckets()},
+            "master": {b.sharded.dtype for b in state.dbuffers()},
+            "unsharded": {b.unsharded.dtype for b in state.dbuffers()},
             "grads": {p.grad.dtype for p in model.parameters()},
         }
         opt.step()

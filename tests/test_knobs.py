@@ -128,7 +128,7 @@ def test_bad_knob_is_refused_in_the_constructor(knob, value, error, fix) -> None
 
 def test_every_knob_has_a_check_and_kwargs_are_fully_shards() -> None:
     from lightning_ragged import RaggedFSDPStrategy, fully_shard
-    from lightning_ragged.knobs import KNOB_CHECKS, SET_BY_STRATEGY, engine_kwarg_names
+    from lightning_ragged.lightning.knobs import KNOB_CHECKS, SET_BY_STRATEGY, engine_kwarg_names
 
     parameters = inspect.signature(RaggedFSDPStrategy.__init__).parameters.values()
     assert set(KNOB_CHECKS) == {p.name for p in parameters if p.kind is inspect.Parameter.KEYWORD_ONLY}
@@ -238,7 +238,7 @@ def _read_until_closed(client: socket.socket) -> bytes:
 
 
 def test_endpoint_bounds_idle_and_slow_connections_and_still_answers() -> None:
-    from lightning_ragged.monitor import Monitor
+    from lightning_ragged.observability.monitor import Monitor
 
     bound = 4
     monitor = Monitor(None, port=0, connection_timeout=0.5, max_connections=bound, max_idle_connections=16)
@@ -286,7 +286,7 @@ def test_endpoint_bounds_idle_and_slow_connections_and_still_answers() -> None:
     ("knob", "value"), [("connection_timeout", 0), ("max_connections", 0), ("max_idle_connections", True)]
 )
 def test_monitor_bounds_are_validated(knob, value) -> None:
-    from lightning_ragged.monitor import Monitor
+    from lightning_ragged.observability.monitor import Monitor
 
     with pytest.raises(ValueError, match=knob):
         Monitor(None, **{knob: value})

@@ -41,22 +41,22 @@ def expected_traffic(state) -> dict:
     the root group stays unsharded from its forward to the end of backward (once). Every
     DBuffer's flat gradient is reduced once.
     """
-    gathers = gather_bytes = reduce_bytes = buckets = 0
+    gathers = gather_bytes = reduce_bytes = dbuffers = 0
     for group in state.all_groups:
         times = 1 if group.is_root else 2
-        for bucket in group.buckets:
-            size = bucket.layout.buffer_numel * bucket.unsharded.element_size()
+        for dbuffer in group.dbuffers:
+            size = dbuffer.layout.buffer_numel * dbuffer.unsharded.element_size()
             gathers += times
             gather_bytes += times * size
-            reduce_bytes += bucket.layout.buffer_numel * torch.empty((), dtype=bucket.reduce_dtype).element_size()
-            buckets += 1
-    return dict(all_gathers=gathers, all_gather_bytes=gather_bytes, reduces=buckets, reduce_bytes=reduce_bytes)
+            reduce_bytes += dbuffer.layout.buffer_numel * torch.empty((), dtype=dbuffer.reduce_dtype).element_size()
+            dbuffers += 1
+    return dict(all_gathers=gathers, all_gather_bytes=gather_bytes, reduces=dbuffers, reduce_bytes=reduce_bytes)
 
 
 def check_engine_metrics(mixed_precision: bool) -> dict:
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    from lightning_ragged.metrics import EngineMetrics
+    from lightning_ragged.observability.metrics import EngineMetrics
 
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16) if mixed_precision else None
     model = lr.fully_shard(make_model(), mp_policy=policy)
@@ -70,15 +70,15 @@ def check_engine_metrics(mixed_precision: bool) -> dict:
         metrics.end_step()
     values = metrics.compute()
     state = lr.get_state(model)
-    cast = sum(bucket.layout.segment_size * 2 for bucket in state.buckets()) if mixed_precision else 0
-    gathers_per_bucket = {id(b): (1 if g.is_root else 2) for g in state.all_groups for b in g.buckets}
+    cast = sum(dbuffer.layout.segment_size * 2 for dbuffer in state.dbuffers()) if mixed_precision else 0
+    gathers_per_bucket = {id(b): (1 if g.is_root else 2) for g in state.all_groups for b in g.dbuffers}
     expected = expected_traffic(state)
     expected["engine_copy_bytes"] = sum(
-        gathers_per_bucket[id(b)] * b.layout.segment_size * 2 for b in state.buckets()
+        gathers_per_bucket[id(b)] * b.layout.segment_size * 2 for b in state.dbuffers()
     ) if mixed_precision else 0
-    layouts = [(b.layout.padding_ratio, b.layout.segment_size) for b in state.buckets()]
+    layouts = [(b.layout.padding_ratio, b.layout.segment_size) for b in state.dbuffers()]
     metrics.close()
-    assert "unshard" not in state.root_group.buckets[0].__dict__, "close() must restore the DBuffer methods"
+    assert "unshard" not in state.root_group.dbuffers[0].__dict__, "close() must restore the DBuffer methods"
     plain = dict(make_model().named_parameters())  # the root group holds what no block holds
     root_fraction = sum(p.numel() for n, p in plain.items() if not n.startswith("blocks.")) / sum(
         p.numel() for p in plain.values())
@@ -113,8 +113,8 @@ STALL_TIMEOUT_S = 2.0
 
 
 def check_stalled_rank_is_named() -> dict:
-    from lightning_ragged.diagnostics import CollectiveTimeoutError
-    from lightning_ragged.metrics import EngineMetrics
+    from lightning_ragged.observability.diagnostics import CollectiveTimeoutError
+    from lightning_ragged.observability.metrics import EngineMetrics
 
     group = dist.new_group(backend="gloo", timeout=timedelta(seconds=STALL_TIMEOUT_S))
     model = lr.fully_shard(make_model(), process_group=group)
@@ -151,9 +151,9 @@ def test_stalled_rank_raises_named_timeout(dist_pool):
 
 
 def check_oom_at_unshard_is_named() -> str:
-    import lightning_ragged.dbuffer as dbuffer
-    from lightning_ragged.diagnostics import UnshardOutOfMemoryError
-    from lightning_ragged.probes import probe
+    import lightning_ragged.engine.dbuffer as dbuffer
+    from lightning_ragged.observability.diagnostics import UnshardOutOfMemoryError
+    from lightning_ragged.observability.probes import probe
 
     model = lr.fully_shard(make_model())
     probe(model).step = 3
@@ -336,8 +336,8 @@ def gpt_oss_120b() -> list:
 
 
 def test_plan_cli_preset_matches_plan_called_directly():
-    from lightning_ragged.granularity import resolve_granularity
-    from lightning_ragged.plan_cli import describe_model, PRESETS
+    from lightning_ragged.layout.granularity import resolve_granularity
+    from lightning_ragged.cli.plan import describe_model, PRESETS
 
     done = subprocess.run(
         [sys.executable, "-m", "lightning_ragged.plan", "--config", "llama3-70b", "--world-size", "1024", "--json"],
@@ -356,17 +356,17 @@ def test_plan_cli_preset_matches_plan_called_directly():
         for name, shape in shapes
     ]
     layout = lr.plan(specs, 1024)
-    bucket = block["buckets"][0]
-    assert bucket["segment_size"] == layout.segment_size
-    assert bucket["padding"] == layout.padding
-    assert bucket["padding_ratio"] == pytest.approx(layout.padding_ratio)
+    dbuffer = block["dbuffers"][0]
+    assert dbuffer["segment_size"] == layout.segment_size
+    assert dbuffer["padding"] == layout.padding
+    assert dbuffer["padding_ratio"] == pytest.approx(layout.padding_ratio)
     assert report["memory"]["params"] == 4 * sum(
-        g["count"] * sum(b["segment_size"] for b in g["buckets"]) for g in report["groups"]
+        g["count"] * sum(b["segment_size"] for b in g["dbuffers"]) for g in report["groups"]
     )
 
 
 def test_plan_cli_table_replicate_degree_and_shapes_of_other_presets(capsys):
-    from lightning_ragged.plan_cli import PRESETS, describe_model, main
+    from lightning_ragged.cli.plan import PRESETS, describe_model, main
 
     models = _planner_table().MODELS
     assert describe_model(PRESETS["gpt-oss-120b"]).groups[0].shapes == gpt_oss_120b()
@@ -382,7 +382,7 @@ def test_plan_cli_table_replicate_degree_and_shapes_of_other_presets(capsys):
 
 
 def test_plan_cli_reads_a_transformers_config_json(tmp_path, capsys):
-    from lightning_ragged.plan_cli import main
+    from lightning_ragged.cli.plan import main
 
     config = dict(model_type="qwen2", hidden_size=64, intermediate_size=160, num_attention_heads=4,
                   num_key_value_heads=2, num_hidden_layers=3, vocab_size=1000, tie_word_embeddings=True)
@@ -404,7 +404,7 @@ def test_plan_module_keeps_the_plan_function_callable():
 
 
 def test_plan_cli_plot(tmp_path):
-    from lightning_ragged.plan_cli import main
+    from lightning_ragged.cli.plan import main
 
     out = tmp_path / "padding.png"
     assert main(["--config", "llama3-70b", "--world-size", "64", "--plot", str(out)]) == 0

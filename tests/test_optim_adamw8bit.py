@@ -119,7 +119,7 @@ def test_state_dict_loads_full_state_into_a_shard():
     full = optimizer.state_dict()
     weight = model[0].weight
     shard = nn.Parameter(weight.detach().reshape(-1)[512:1200].clone())
-    from lightning_ragged.ragged_shard import RaggedShard
+    from lightning_ragged.layout.ragged_shard import RaggedShard
 
     shard.ragged_shard = RaggedShard("0.weight", weight.shape, 256, ((0, 512), (512, 1200)), 1)
     local = AdamW8bit([shard], **HYPER)

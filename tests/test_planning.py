@@ -16,9 +16,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lightning_ragged import planning
-from lightning_ragged.errors import DBufferAlignmentError, RaggedShardBoundaryViolation
-from lightning_ragged.planning import TensorSpec, earliest_offset, manual_layout, plan, segment_lower_bound
+from lightning_ragged.layout import planner as planning
+from lightning_ragged.layout.errors import DBufferAlignmentError, RaggedShardBoundaryViolation
+from lightning_ragged.layout.planner import TensorSpec, earliest_offset, manual_layout, plan, segment_lower_bound
 
 ALGORITHMS = ("greedy", "optimal")
 

@@ -10,8 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lightning_ragged import RaggedShardBoundaryViolation
-from lightning_ragged.granularity import resolve_granularity
-from lightning_ragged.ragged_shard import RaggedShard, flat_range_to_boxes
+from lightning_ragged.layout.granularity import resolve_granularity
+from lightning_ragged.layout.ragged_shard import RaggedShard, flat_range_to_boxes
 
 
 @settings(max_examples=200, deadline=None)

@@ -261,7 +261,7 @@ def check_llama_meta_equals_eager(tie: bool) -> dict:
     import torch
 
     import lightning_ragged as lr
-    from lightning_ragged.meta_init import materialize_meta_module
+    from lightning_ragged.engine.meta_init import materialize_meta_module
     from tests.start_models import tiny_llama
 
     torch.manual_seed(5)
@@ -274,8 +274,8 @@ def check_llama_meta_equals_eager(tie: bool) -> dict:
     report = materialize_meta_module(model, "cpu", seed=5)
     full = lr.full_state_dict(model)
     state = lr.get_state(model)
-    root_bytes = sum(b.world_size * b.layout.segment_size * 4 for b in state.root_group.buckets)
-    block_bytes = max(sum(b.world_size * b.layout.segment_size * 4 for b in g.buckets) for g in state.groups)
+    root_bytes = sum(b.world_size * b.layout.segment_size * 4 for b in state.root_group.dbuffers)
+    block_bytes = max(sum(b.world_size * b.layout.segment_size * 4 for b in g.dbuffers) for g in state.groups)
     return {
         "diff": _max_diff(full, expected),
         "bitwise": all(torch.equal(full[k], expected[k]) for k in expected),
@@ -304,7 +304,7 @@ def check_uninitialized_is_named() -> str:
     from torch import nn
 
     import lightning_ragged as lr
-    from lightning_ragged.meta_init import materialize_meta_module
+    from lightning_ragged.engine.meta_init import materialize_meta_module
 
     class Scale(nn.Module):  # no reset_parameters, not a Hugging Face model: nothing initializes it
         def __init__(self) -> None:
@@ -334,7 +334,7 @@ def check_meta_special_cases() -> dict:
     from torch import nn
 
     import lightning_ragged as lr
-    from lightning_ragged.meta_init import materialize_meta_module
+    from lightning_ragged.engine.meta_init import materialize_meta_module
 
     class Rotary(nn.Module):  # a buffer set only in __init__, from a config: rebuilt from it
         def __init__(self, config) -> None:

@@ -51,7 +51,7 @@ def test_registered_name_builds_the_strategy_and_ragged_precision() -> None:
     import lightning.pytorch as L
 
     import lightning_ragged
-    from lightning_ragged.precision import RaggedHalfPrecision, RaggedMixedPrecision, RaggedPrecision
+    from lightning_ragged.lightning.precision import RaggedHalfPrecision, RaggedMixedPrecision, RaggedPrecision
 
     from lightning.pytorch.strategies import StrategyRegistry
 
@@ -70,7 +70,7 @@ def test_registered_name_builds_the_strategy_and_ragged_precision() -> None:
 def test_fp16_amp_is_refused_with_the_alternatives() -> None:
     from lightning.pytorch.plugins.precision import MixedPrecision
 
-    from lightning_ragged.precision import to_ragged_precision
+    from lightning_ragged.lightning.precision import to_ragged_precision
 
     with pytest.raises(ValueError, match=r"16-mixed.*bf16-mixed"):
         to_ragged_precision(MixedPrecision("16-mixed", "cpu"))
@@ -152,7 +152,7 @@ def _meta_init_against_eager() -> dict[str, float]:
     from torch import nn
 
     from lightning_ragged import full_state_dict, fully_shard
-    from lightning_ragged.meta_init import materialize_meta_module
+    from lightning_ragged.engine.meta_init import materialize_meta_module
 
     def build() -> nn.Module:
         model = nn.Module()
@@ -170,8 +170,8 @@ def _meta_init_against_eager() -> dict[str, float]:
     report = materialize_meta_module(sharded, "cpu", seed=11)
     full = full_state_dict(sharded)
     state = sharded._ragged_fsdp_state
-    root_bytes = sum(bucket.sharded.numel() for bucket in state.root_group.buckets) * 2 * 4
-    block_bytes = max(g.buckets[0].sharded.numel() for g in state.groups) * 2 * 4
+    root_bytes = sum(dbuffer.sharded.numel() for dbuffer in state.root_group.dbuffers) * 2 * 4
+    block_bytes = max(g.dbuffers[0].sharded.numel() for g in state.groups) * 2 * 4
     return {
         "diff": max((full[k] - eager[k]).abs().max().item() for k in eager),
         "peak_open_groups": report.peak_open_groups,

@@ -38,7 +38,7 @@ from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
 
 from lightning_ragged.optim.named_state import RaggedOptimizer
 from lightning_ragged.optim.shards import local_flat, shard_of
-from lightning_ragged.ragged_shard import RaggedShard
+from lightning_ragged.layout.ragged_shard import RaggedShard
 
 NON_MUON_NAME_PARTS = ("embed", "wte", "wpe", "pos", "head", "lm_head", "output")
 """Name fragments of 2-D parameters that the usual recipe gives to AdamW, not Muon."""

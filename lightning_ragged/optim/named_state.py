@@ -21,7 +21,7 @@ from typing import Any, Callable
 import torch
 
 from lightning_ragged.optim.shards import shard_of
-from lightning_ragged.ragged_shard import RaggedShard
+from lightning_ragged.layout.ragged_shard import RaggedShard
 
 
 class RaggedOptimizer(torch.optim.Optimizer):

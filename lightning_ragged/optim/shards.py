@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from lightning_ragged.ragged_shard import RaggedShard
+from lightning_ragged.layout.ragged_shard import RaggedShard
 
 
 def shard_of(param: torch.Tensor, name: str | None = None) -> RaggedShard:

@@ -23,14 +23,14 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from lightning_ragged.dbuffer import CommStats, DBuffer
-from lightning_ragged.fsdp_module import make_fsdp_module
-from lightning_ragged.granularity import GranularityPolicy, resolve_granularity
-from lightning_ragged.grouping import GroupSpec, ParamGroupPlan, parameter_slots, plan_groups, split_into_buckets
-from lightning_ragged.planning import TensorSpec, plan
-from lightning_ragged.runtime import RaggedFSDPState, eager
-from lightning_ragged.shard_group import ShardGroup
-from lightning_ragged.state_sync import BufferSync, sync_params_and_buffers
+from lightning_ragged.engine.dbuffer import CommStats, DBuffer
+from lightning_ragged.engine.fsdp_module import make_fsdp_module
+from lightning_ragged.layout.granularity import GranularityPolicy, resolve_granularity
+from lightning_ragged.engine.grouping import GroupSpec, ParamGroupPlan, parameter_slots, plan_groups, split_into_dbuffers
+from lightning_ragged.layout.planner import TensorSpec, plan
+from lightning_ragged.engine.runtime import RaggedFSDPState, eager
+from lightning_ragged.engine.shard_group import ShardGroup
+from lightning_ragged.engine.state_sync import BufferSync, sync_params_and_buffers
 
 DEFAULT_DBUFFER_SIZE = 256 * 2**20
 VIEW_ALIGNMENT_BYTES = 16
@@ -58,7 +58,7 @@ def fully_shard(
     """Shard ``module``'s parameters over ``process_group`` with ragged, structure-aware shards.
 
     Works in place and returns ``module`` (its class becomes a subclass of
-    :class:`~lightning_ragged.fsdp_module.FSDPModule`, as with FSDP2). Without a seed shared
+    :class:`~lightning_ragged.engine.fsdp_module.FSDPModule`, as with FSDP2). Without a seed shared
     by all ranks the ranks' initial parameters differ: shard a model built identically.
     ``reshard_after_forward``: True frees full parameters after forward, False keeps them
     for backward, an int ``n`` keeps 1/n of them so backward re-gathers inside groups of
@@ -104,8 +104,8 @@ def fully_shard(
         for group in child.all_groups:
             group.name = prefix if group.is_root else f"{prefix}.{group.name}"
             group.is_root = False
-            for bucket in group.buckets:
-                bucket.stats = stats
+            for dbuffer in group.dbuffers:
+                dbuffer.stats = stats
         adopted += child.all_groups
     taken = {id(p) for group in adopted for _b, _n, p in _group_params(group)}
     if children:
@@ -125,18 +125,18 @@ def fully_shard(
     new_groups = []
     built: list[tuple[DBuffer, list[tuple[str, nn.Parameter]]]] = []
     for group_plan in group_plans:
-        buckets, slots = [], []
-        for bucket_params in _bucket_params(group_plan, dbuffer_size):
-            first = bucket_params[0][1]
+        dbuffers, slots = [], []
+        for dbuffer_params in _dbuffer_params(group_plan, dbuffer_size):
+            first = dbuffer_params[0][1]
             unit = alignment or max(1, VIEW_ALIGNMENT_BYTES // _smallest_element(first.dtype, param_dtype))
             specs = [
                 TensorSpec(name, param.numel(), resolve_granularity(shard_granularity, name, param, block_rows))
-                for name, param in bucket_params
+                for name, param in dbuffer_params
             ]
             layout = plan(specs, world_size, algorithm=planning_algorithm, alignment=unit)
-            bucket = DBuffer(
+            dbuffer = DBuffer(
                 layout,
-                bucket_params,
+                dbuffer_params,
                 process_group,
                 param_dtype=param_dtype,
                 reduce_dtype=reduce_dtype,
@@ -146,14 +146,14 @@ def fully_shard(
                 device=device,
             )
             if partial_group is not None:
-                bucket.set_partial_group(partial_group, reshard_after_forward)
-            buckets.append(bucket)
-            built.append((bucket, bucket_params))
-            for name, param in bucket_params:
-                slots += [(owner, attr, bucket, name) for _, owner, attr in slots_by_param[id(param)]]
+                dbuffer.set_partial_group(partial_group, reshard_after_forward)
+            dbuffers.append(dbuffer)
+            built.append((dbuffer, dbuffer_params))
+            for name, param in dbuffer_params:
+                slots += [(owner, attr, dbuffer, name) for _, owner, attr in slots_by_param[id(param)]]
         is_root = group_plan.module is None or group_plan.module is module
         group = ShardGroup(
-            group_plan.name, group_plan.module or module, buckets, slots, reshard_after_forward, is_root=is_root
+            group_plan.name, group_plan.module or module, dbuffers, slots, reshard_after_forward, is_root=is_root
         )
         group.mp_policy = mp_policy
         new_groups.append(group)
@@ -197,10 +197,10 @@ def _child_states(module: nn.Module) -> list[RaggedFSDPState]:
 
 
 def _group_params(group: ShardGroup) -> Iterator[tuple[DBuffer, str, nn.Parameter]]:
-    for bucket in group.buckets:
-        for name in bucket.sharded_params:
-            yield bucket, name, bucket.sharded_params[name]
-            yield bucket, name, bucket.unsharded_params[name]
+    for dbuffer in group.dbuffers:
+        for name in dbuffer.sharded_params:
+            yield dbuffer, name, dbuffer.sharded_params[name]
+            yield dbuffer, name, dbuffer.unsharded_params[name]
 
 
 def _in_module_order(root: nn.Module, groups: list[ShardGroup]) -> list[ShardGroup]:
@@ -209,7 +209,7 @@ def _in_module_order(root: nn.Module, groups: list[ShardGroup]) -> list[ShardGro
     return sorted(groups, key=lambda g: (g.is_root, position.get(id(g.module), 0)))
 
 
-def _bucket_params(group_plan: ParamGroupPlan, dbuffer_size: int) -> Iterator[list[tuple[str, nn.Parameter]]]:
+def _dbuffer_params(group_plan: ParamGroupPlan, dbuffer_size: int) -> Iterator[list[tuple[str, nn.Parameter]]]:
     """DBuffers of one group: per run, trainable and frozen parameters apart, each split by size.
 
     Frozen parameters get DBuffers of their own, which never allocate a gradient buffer
@@ -219,7 +219,7 @@ def _bucket_params(group_plan: ParamGroupPlan, dbuffer_size: int) -> Iterator[li
         for trainable in (True, False):
             params = [(name, p) for name, p in run if p.requires_grad == trainable]
             if params:
-                yield from split_into_buckets(params, dbuffer_size)
+                yield from split_into_dbuffers(params, dbuffer_size)
 
 
 def _smallest_element(*dtypes: torch.dtype | None) -> int:
@@ -290,9 +290,9 @@ def _install_hooks(state: RaggedFSDPState) -> None:
             handles.append(group.module.register_forward_hook(
                 eager(lambda _m, _a, output, g=group: state.post_forward(g, output))
             ))
-        for bucket, name, param in group.unsharded_params():
+        for dbuffer, name, param in group.unsharded_params():
             if param.requires_grad:
-                state.hook_grad(bucket, name, param)
+                state.hook_grad(dbuffer, name, param)
 
 
 def get_state(module: nn.Module) -> RaggedFSDPState:
@@ -326,9 +326,9 @@ def _sharded_keys(module: nn.Module) -> dict[str, tuple[DBuffer, str]]:
     Holds at rest (modules point at shards) and inside a step (at full parameters).
     """
     by_id = {}
-    for bucket in get_state(module).buckets():
-        for name in bucket.sharded_params:
-            by_id[id(bucket.sharded_params[name])] = by_id[id(bucket.unsharded_params[name])] = (bucket, name)
+    for dbuffer in get_state(module).dbuffers():
+        for name in dbuffer.sharded_params:
+            by_id[id(dbuffer.sharded_params[name])] = by_id[id(dbuffer.unsharded_params[name])] = (dbuffer, name)
     return {key: by_id[id(p)] for key, p in module.named_parameters(remove_duplicate=False) if id(p) in by_id}
 
 
@@ -336,13 +336,13 @@ def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
     """Full, original-shape tensors for every state-dict key of ``module`` (the sharded model or any
     submodule of it, keys relative to it), on every rank. Collective: every rank calls it."""
     keys = _sharded_keys(module)
-    needed = {id(bucket) for bucket, _ in keys.values()}
-    gathered = {id(b): b.gather_full() for b in get_state(module).buckets() if id(b) in needed}
+    needed = {id(dbuffer) for dbuffer, _ in keys.values()}
+    gathered = {id(b): b.gather_full() for b in get_state(module).dbuffers() if id(b) in needed}
     result = {}
     for key, value in module.state_dict().items():
         if key in keys:
-            bucket, name = keys[key]
-            value = gathered[id(bucket)][name]
+            dbuffer, name = keys[key]
+            value = gathered[id(dbuffer)][name]
         result[key] = value
     return result
 
@@ -350,7 +350,7 @@ def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
 def load_full_state_dict(module: nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
     """Copy this rank's pieces of full tensors (keys as in ``full_state_dict`` of the same module) into the shards."""
     per_bucket: dict[int, tuple[DBuffer, dict[str, torch.Tensor]]] = {}
-    for key, (bucket, name) in _sharded_keys(module).items():
-        per_bucket.setdefault(id(bucket), (bucket, {}))[1][name] = state_dict[key]
-    for bucket, tensors in per_bucket.values():
-        bucket.load_full(tensors)
+    for key, (dbuffer, name) in _sharded_keys(module).items():
+        per_bucket.setdefault(id(dbuffer), (dbuffer, {}))[1][name] = state_dict[key]
+    for dbuffer, tensors in per_bucket.values():
+        dbuffer.load_full(tensors)

@@ -23,8 +23,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_ragged.dbuffer import DBuffer
-from lightning_ragged.fsdp import get_state
+from lightning_ragged.engine.dbuffer import DBuffer
+from lightning_ragged.engine.api import get_state
 
 ParamsOrModule = Union[nn.Module, torch.Tensor, Iterable[torch.Tensor]]
 
@@ -108,15 +108,15 @@ def _grads_by_group(parameters: ParamsOrModule) -> dict[object, list[torch.Tenso
 def _module_grads(module: nn.Module) -> dict[object, list[torch.Tensor]]:
     """One flat gradient per DBuffer whose parameters' grads all live in it; single grads otherwise."""
     groups: dict[object, list[torch.Tensor]] = {}
-    for bucket in get_state(module).buckets():
-        groups.setdefault(_group_key(bucket.shard_group), []).extend(_bucket_grads(bucket))
+    for dbuffer in get_state(module).dbuffers():
+        groups.setdefault(_group_key(dbuffer.process_group), []).extend(_dbuffer_grads(dbuffer))
     return groups
 
 
-def _bucket_grads(bucket: DBuffer) -> list[torch.Tensor]:
-    params = [p for p in bucket.sharded_params.values() if p.requires_grad]
+def _dbuffer_grads(dbuffer: DBuffer) -> list[torch.Tensor]:
+    params = [p for p in dbuffer.sharded_params.values() if p.requires_grad]
     grads = [p.grad for p in params if p.grad is not None]
-    flat = bucket.sharded_grad
+    flat = dbuffer.sharded_grad
     if flat is not None and grads and len(grads) == len(params):
         storage = flat.untyped_storage().data_ptr()
         if all(g.untyped_storage().data_ptr() == storage for g in grads):

@@ -35,7 +35,7 @@ from typing import Any, Iterator, Optional
 
 import torch.distributed as dist
 
-from lightning_ragged.metrics import PREFIX, EngineMetrics
+from lightning_ragged.observability.metrics import PREFIX, EngineMetrics
 
 HEARTBEAT_KEY = "ragged_fsdp/heartbeat/"
 

@@ -31,8 +31,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_ragged.planning import Layout
-from lightning_ragged.ragged_shard import RaggedShard
+from lightning_ragged.layout.planner import Layout
+from lightning_ragged.layout.ragged_shard import RaggedShard
 
 REDUCE_MODES = ("all_reduce", "reduce_scatter")
 
@@ -80,7 +80,7 @@ class DBuffer:
         self,
         layout: Layout,
         params: Sequence[tuple[str, nn.Parameter]],
-        shard_group: dist.ProcessGroup | None,
+        process_group: dist.ProcessGroup | None,
         *,
         param_dtype: torch.dtype | None = None,
         reduce_dtype: torch.dtype | None = None,
@@ -90,13 +90,13 @@ class DBuffer:
         device: torch.device | None = None,
     ) -> None:
         self.layout = layout
-        self.shard_group = shard_group
+        self.process_group = process_group
         self.replicate_group = replicate_group
-        self.rank = dist.get_rank(shard_group)
-        self.world_size = dist.get_world_size(shard_group)
+        self.rank = dist.get_rank(process_group)
+        self.world_size = dist.get_world_size(process_group)
         if layout.world_size != self.world_size:
             raise ValueError(f"layout planned for {layout.world_size} ranks but the shard group has {self.world_size}")
-        self.reduce_mode = reduce_mode or default_reduce_mode(shard_group)
+        self.reduce_mode = reduce_mode or default_reduce_mode(process_group)
         if self.reduce_mode not in REDUCE_MODES:
             raise ValueError(f"reduce_mode={reduce_mode!r} is not supported; use one of {REDUCE_MODES}")
         self.stats = stats if stats is not None else CommStats()
@@ -143,7 +143,7 @@ class DBuffer:
                     self.sharded[local].copy_(param.detach().reshape(-1)[start:end])
                 sharded_param = nn.Parameter(self.sharded[local], requires_grad=param.requires_grad)
                 sharded_param.ragged_shard = RaggedShard(
-                    name, param.shape, layout.specs[name].granularity, layout.ranges(name), self.rank, shard_group
+                    name, param.shape, layout.specs[name].granularity, layout.ranges(name), self.rank, process_group
                 )
                 self.sharded_params[name] = sharded_param
                 self._sharded_grad_slices[name] = local
@@ -173,7 +173,7 @@ class DBuffer:
             source, group, self._partial = self._partial, self._partial_group, None
         else:
             source = self.sharded if self.param_dtype == self.master_dtype else self.sharded.to(self.param_dtype)
-            group = self.shard_group
+            group = self.process_group
         work = dist.all_gather_single(self._gather_target, source, group=group, async_op=async_op)
         self.stats.all_gathers += 1
         self.stats.all_gather_bytes += self.unsharded.numel() * self.unsharded.element_size()
@@ -302,11 +302,11 @@ class DBuffer:
                     full.add_(self.unsharded_grad)
             self.free_unsharded_grad()
         if self.reduce_mode == "all_reduce":
-            work = dist.all_reduce(full, group=self.shard_group, async_op=async_op)
+            work = dist.all_reduce(full, group=self.process_group, async_op=async_op)
             own_segment = full[self.segment]
         else:
             own_segment = torch.empty(self.layout.segment_size, dtype=self.reduce_dtype, device=self.device)
-            work = dist.reduce_scatter_single(own_segment, full, group=self.shard_group, async_op=async_op)
+            work = dist.reduce_scatter_single(own_segment, full, group=self.process_group, async_op=async_op)
         self.stats.reduces += 1
         self.stats.reduce_bytes += full.numel() * full.element_size()
         self._pending_reduce = _PendingCollective(work, started, full, own_segment)
@@ -407,7 +407,7 @@ class DBuffer:
     def gather_full(self) -> dict[str, torch.Tensor]:
         """Full, original-shape copies of every parameter in master dtype (for state dicts)."""
         full = torch.empty(self.world_size * self.layout.segment_size, dtype=self.master_dtype, device=self.device)
-        dist.all_gather_single(full, self.sharded, group=self.shard_group)
+        dist.all_gather_single(full, self.sharded, group=self.process_group)
         out = {}
         for name, param in self.unsharded_params.items():
             begin = self.layout.offsets[name]

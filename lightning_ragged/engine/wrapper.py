@@ -12,7 +12,7 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-from lightning_ragged.fsdp import full_state_dict, fully_shard, get_state, no_sync
+from lightning_ragged.engine.api import full_state_dict, fully_shard, get_state, no_sync
 
 
 class FullyShardedDataParallel(nn.Module):

@@ -29,11 +29,11 @@ from typing import Any, Callable, Mapping, NoReturn
 import torch.distributed as dist
 from torch import nn
 
-from lightning_ragged.dbuffer import REDUCE_MODES
-from lightning_ragged.fsdp import fully_shard
-from lightning_ragged.granularity import POLICIES, check_block_rows, check_policy
-from lightning_ragged.grouping import _check_dbuffer_size
-from lightning_ragged.planning import ALGORITHMS
+from lightning_ragged.engine.dbuffer import REDUCE_MODES
+from lightning_ragged.engine.api import fully_shard
+from lightning_ragged.layout.granularity import POLICIES, check_block_rows, check_policy
+from lightning_ragged.engine.grouping import _check_dbuffer_size
+from lightning_ragged.layout.planner import ALGORITHMS
 
 SET_BY_STRATEGY = {
     "module": "the strategy shards the LightningModule given to Trainer.fit",
@@ -189,7 +189,7 @@ def _replicate_degree(value: Any) -> None:
 
 
 def _state_dict_type(value: Any) -> None:
-    from lightning_ragged.strategy import STATE_DICT_TYPES  # loaded: only the strategy calls this
+    from lightning_ragged.lightning.strategy import STATE_DICT_TYPES  # loaded: only the strategy calls this
 
     _choice("state_dict_type", value, STATE_DICT_TYPES, "sharded")
 
@@ -329,7 +329,7 @@ def check_strategy_knobs(
     for name, value in knobs.items():
         check = KNOB_CHECKS.get(name)
         if check is None:
-            raise AssertionError(f"{owner}: knob {name!r} has no check in lightning_ragged.knobs.KNOB_CHECKS")
+            raise AssertionError(f"{owner}: knob {name!r} has no check in lightning_ragged.lightning.knobs.KNOB_CHECKS")
         try:
             check(value)
         except _Refused as refused:

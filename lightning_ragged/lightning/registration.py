@@ -7,7 +7,7 @@ plain ``fully_shard`` users (and every test worker) should not pay. So:
 * if ``lightning.pytorch.strategies`` is already imported, register now;
 * otherwise a one-shot import hook registers right after that module has run.
 
-The registry entry is a factory that imports ``lightning_ragged.strategy`` on first use,
+The registry entry is a factory that imports ``lightning_ragged.lightning.strategy`` on first use,
 so ``Trainer(strategy="ragged_fsdp")`` builds a ``RaggedFSDPStrategy``.
 """
 
@@ -25,7 +25,7 @@ _DESCRIPTION = "ragged, structure-aware FSDP (veScale-FSDP) from lightning_ragge
 
 
 def _make_strategy(**kwargs: Any) -> Any:
-    from lightning_ragged.strategy import RaggedFSDPStrategy
+    from lightning_ragged.lightning.strategy import RaggedFSDPStrategy
 
     return RaggedFSDPStrategy(**kwargs)
 

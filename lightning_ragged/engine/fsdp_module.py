@@ -99,13 +99,13 @@ class FSDPModule:
         # ``.to()``, ``.double()``, ``.half()``, ``.cuda()`` would give the module new tensors that
         # the DBuffers know nothing of: refuse a real move or cast instead of silently unlinking.
         state = self._ragged_fsdp_state
-        for bucket in state.buckets():
-            probe = torch.empty(0, dtype=bucket.master_dtype, device=bucket.device)
+        for dbuffer in state.dbuffers():
+            probe = torch.empty(0, dtype=dbuffer.master_dtype, device=dbuffer.device)
             moved = fn(probe)
             if moved.dtype != probe.dtype or moved.device != probe.device:
                 raise RuntimeError(
                     f"{type(self).__name__} is sharded by lightning_ragged.fully_shard: moving or casting it "
-                    f"({bucket.master_dtype} on {bucket.device} -> {moved.dtype} on {moved.device}) would unlink "
+                    f"({dbuffer.master_dtype} on {dbuffer.device} -> {moved.dtype} on {moved.device}) would unlink "
                     "its parameters from their DBuffers. Move/cast the model before fully_shard (or pass "
                     "fully_shard(..., device=...)), and use mp_policy=MixedPrecisionPolicy(param_dtype=...) "
                     "for a compute dtype"

@@ -54,15 +54,15 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 import lightning.pytorch as pl
-from lightning_ragged.checkpoint import LightningCheckpointIO, release_meshes
-from lightning_ragged.fsdp import DEFAULT_DBUFFER_SIZE, fully_shard, get_state, no_sync
-from lightning_ragged.granularity import GranularityPolicy
-from lightning_ragged.knobs import check_strategy_knobs
-from lightning_ragged.meta_init import has_meta_tensors, materialize_meta_module
-from lightning_ragged.metrics import add_metrics_callback
-from lightning_ragged.preemption import attach as attach_slurm_requeue
-from lightning_ragged.model_summary import use_global_parameter_counts
-from lightning_ragged.precision import to_ragged_precision
+from lightning_ragged.checkpoint.core import LightningCheckpointIO, release_meshes
+from lightning_ragged.engine.api import DEFAULT_DBUFFER_SIZE, fully_shard, get_state, no_sync
+from lightning_ragged.layout.granularity import GranularityPolicy
+from lightning_ragged.lightning.knobs import check_strategy_knobs
+from lightning_ragged.engine.meta_init import has_meta_tensors, materialize_meta_module
+from lightning_ragged.observability.metrics import add_metrics_callback
+from lightning_ragged.lightning.preemption import attach as attach_slurm_requeue
+from lightning_ragged.lightning.model_summary import use_global_parameter_counts
+from lightning_ragged.lightning.precision import to_ragged_precision
 
 ModuleSpec = Union[type, str]
 """A module class, a dotted import path ``"pkg.mod.Class"``, or a bare class name matched in the model."""
@@ -248,12 +248,12 @@ class RaggedFSDPStrategy(ParallelStrategy):
         return False
 
     @property
-    def shard_group(self) -> Optional[dist.ProcessGroup]:
+    def shard_process_group(self) -> Optional[dist.ProcessGroup]:
         """The group parameters are sharded over (``None``: the whole world)."""
         return self._shard_group
 
     @property
-    def replicate_group(self) -> Optional[dist.ProcessGroup]:
+    def replicate_process_group(self) -> Optional[dist.ProcessGroup]:
         """The HSDP replica group (``None`` without HSDP)."""
         return self._replicate_group
 
@@ -392,10 +392,10 @@ class RaggedFSDPStrategy(ParallelStrategy):
         return model
 
     def _rebind_process_groups(self, model: nn.Module) -> None:
-        for bucket in get_state(model).buckets():
-            bucket.shard_group = self._shard_group
-            bucket.replicate_group = self._replicate_group
-            for param in bucket.sharded_params.values():
+        for dbuffer in get_state(model).dbuffers():
+            dbuffer.process_group = self._shard_group
+            dbuffer.replicate_group = self._replicate_group
+            for param in dbuffer.sharded_params.values():
                 param.ragged_shard = dataclasses.replace(param.ragged_shard, process_group=self._shard_group)
 
     def model_to_device(self) -> None:
@@ -464,7 +464,7 @@ class RaggedFSDPStrategy(ParallelStrategy):
         return tensor
 
     # ---------------------------------------------------------- checkpoints
-    # All checkpoint behaviour lives in `lightning_ragged/checkpoint.py` (issue 5).
+    # All checkpoint behaviour lives in `lightning_ragged/checkpoint/core.py` (issue 5).
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """DTensor views of this rank's shards (no gather); every rank calls it and writes its own part."""
         assert self.model is not None
@@ -507,13 +507,13 @@ class RaggedFSDPStrategy(ParallelStrategy):
         """A no-op after ``load_checkpoint`` (it loaded the shards); else a full state dict is sliced in."""
         assert self.model is not None
         if "state_dict" in checkpoint:
-            from lightning_ragged.checkpoint import load_full_model_state_dict
+            from lightning_ragged.checkpoint.core import load_full_model_state_dict
 
             load_full_model_state_dict(self.model, checkpoint["state_dict"], strict=strict)
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         """A no-op after ``load_checkpoint``; else full (consolidated) optimizer states are sliced in."""
-        from lightning_ragged.checkpoint import load_full_optimizer_state_dict
+        from lightning_ragged.checkpoint.core import load_full_optimizer_state_dict
 
         for optimizer, state in zip(self.optimizers, checkpoint.get("optimizer_states") or []):
             load_full_optimizer_state_dict(self.model, optimizer, state)
@@ -532,11 +532,11 @@ class RaggedFSDPStrategy(ParallelStrategy):
         if model is not None and getattr(model, "_ragged_fsdp_state", None) is not None:
             state = get_state(model)
             state.reshard()
-            for bucket in state.buckets():
-                bucket.free_unsharded_grad()
-                for param in bucket.sharded_params.values():
+            for dbuffer in state.dbuffers():
+                dbuffer.free_unsharded_grad()
+                for param in dbuffer.sharded_params.values():
                     param.grad = None
-                bucket.sharded_grad = None
+                dbuffer.sharded_grad = None
         self._destroy_process_groups()
         assert self.cluster_environment is not None and self.accelerator is not None
         _optimizers_to_device(self.optimizers, torch.device("cpu"))

@@ -5,8 +5,8 @@
 
 For every distinct FSDP group of the model (one transformer block per group, identical
 blocks counted once; embeddings, final norm and head form the root group) it runs the
-same planner ``fully_shard`` runs (:func:`lightning_ragged.planning.plan`, granularity
-from :func:`lightning_ragged.granularity.resolve_granularity`) and prints the segment
+same planner ``fully_shard`` runs (:func:`lightning_ragged.layout.planner.plan`, granularity
+from :func:`lightning_ragged.layout.granularity.resolve_granularity`) and prints the segment
 size S, the padding, the block cuts avoided and the plan time, then the per-rank memory
 estimate. "Block cuts avoided" counts the rank boundaries of an even flat split of the
 same group (FSDP1/ZeRO style: segments of ``ceil(total / ranks)``) that would fall
@@ -258,7 +258,7 @@ def granularity_of(policy: str, name: str, shape: tuple[int, ...], block_rows: i
     """The engine's granularity for a parameter of this shape (``resolve_granularity`` on a meta tensor)."""
     import torch
 
-    from lightning_ragged.granularity import resolve_granularity
+    from lightning_ragged.layout.granularity import resolve_granularity
 
     return resolve_granularity(policy, name, torch.empty(shape, device="meta"), block_rows)
 
@@ -294,19 +294,19 @@ def plan_model(
     import torch
     from torch import nn
 
-    from lightning_ragged.grouping import split_into_buckets
-    from lightning_ragged.planning import TensorSpec, plan
+    from lightning_ragged.engine.grouping import split_into_dbuffers
+    from lightning_ragged.layout.planner import TensorSpec, plan
 
     master = {4: torch.float32, 2: torch.bfloat16, 1: torch.float8_e4m3fn}[master_bytes]
     results = []
     for kind in description.groups:
         params = [(name, nn.Parameter(torch.empty(shape, device="meta", dtype=master))) for name, shape in kind.shapes]
-        buckets = split_into_buckets(params, dbuffer_size) if dbuffer_size else [params]
+        dbuffers = split_into_dbuffers(params, dbuffer_size) if dbuffer_size else [params]
         planned = []
-        for bucket in buckets:
+        for dbuffer in dbuffers:
             specs = [
                 TensorSpec(name, param.numel(), granularity_of(granularity, name, tuple(param.shape), block_rows))
-                for name, param in bucket
+                for name, param in dbuffer
             ]
             started = time.perf_counter()
             layout = plan(specs, shard_world, algorithm=algorithm, alignment=alignment)
@@ -322,7 +322,7 @@ def plan_model(
                     plan_seconds=seconds,
                 )
             )
-        results.append(dict(group=kind.name, count=kind.count, buckets=planned))
+        results.append(dict(group=kind.name, count=kind.count, dbuffers=planned))
     return results
 
 
@@ -330,8 +330,8 @@ def memory_estimate(
     groups: list[dict[str, Any]], shard_world: int, master_bytes: int, param_bytes: int, optimizer: str
 ) -> dict[str, float]:
     """Per-rank bytes: sharded params, grads and optimizer states; the largest full group (params, grads)."""
-    segment_elements = sum(g["count"] * sum(b["segment_size"] for b in g["buckets"]) for g in groups)
-    largest = max(sum(b["segment_size"] * shard_world for b in g["buckets"]) for g in groups)
+    segment_elements = sum(g["count"] * sum(b["segment_size"] for b in g["dbuffers"]) for g in groups)
+    largest = max(sum(b["segment_size"] * shard_world for b in g["dbuffers"]) for g in groups)
     params = segment_elements * master_bytes
     grads = segment_elements * master_bytes
     states = segment_elements * OPTIMIZER_STATE_BYTES[optimizer]
@@ -370,11 +370,11 @@ def render_table(report: dict[str, Any]) -> str:
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for group in report["groups"]:
-        for index, bucket in enumerate(group["buckets"]):
+        for index, dbuffer in enumerate(group["dbuffers"]):
             lines.append(
-                f"| {group['group']} | {group['count']} | {index} | {bucket['tensors']} | {bucket['numel']:,} "
-                f"| {bucket['segment_size']:,} | {bucket['padding']:,} | {bucket['padding_ratio']:.2%} "
-                f"| {bucket['block_cuts_avoided']:,} | {bucket['plan_seconds']:.3f} |"
+                f"| {group['group']} | {group['count']} | {index} | {dbuffer['tensors']} | {dbuffer['numel']:,} "
+                f"| {dbuffer['segment_size']:,} | {dbuffer['padding']:,} | {dbuffer['padding_ratio']:.2%} "
+                f"| {dbuffer['block_cuts_avoided']:,} | {dbuffer['plan_seconds']:.3f} |"
             )
     memory = report["memory"]
     lines += [
@@ -416,7 +416,7 @@ def build_report(args: argparse.Namespace) -> dict[str, Any]:
         )
     except ValueError as error:  # e.g. a parameter larger than --dbuffer-size
         raise SystemExit(f"cannot plan {name}: {error}") from None
-    weighted = [(g["count"], b) for g in groups for b in g["buckets"]]
+    weighted = [(g["count"], b) for g in groups for b in g["dbuffers"]]
     numel = sum(count * b["numel"] for count, b in weighted)
     return dict(
         model=name,
@@ -433,7 +433,7 @@ def build_report(args: argparse.Namespace) -> dict[str, Any]:
         optimizer=args.optimizer,
         groups=groups,
         padding_ratio=sum(count * b["padding"] for count, b in weighted) / numel,
-        root_fraction=sum(g["count"] * b["numel"] for g in groups if g["group"] == "root" for b in g["buckets"]) / numel,
+        root_fraction=sum(g["count"] * b["numel"] for g in groups if g["group"] == "root" for b in g["dbuffers"]) / numel,
         block_cuts_avoided=sum(count * b["block_cuts_avoided"] for count, b in weighted),
         plan_seconds=sum(b["plan_seconds"] for _, b in weighted),
         memory=memory_estimate(groups, shard_world, master_bytes, param_bytes, args.optimizer),
@@ -449,7 +449,7 @@ def padding_curve(
         ratios = []
         for world in world_sizes:
             groups = plan_model(description, world, granularity, **plan_kwargs)
-            weighted = [(g["count"], b) for g in groups for b in g["buckets"]]
+            weighted = [(g["count"], b) for g in groups for b in g["dbuffers"]]
             numel = sum(c * b["numel"] for c, b in weighted)
             ratios.append(sum(c * b["padding"] for c, b in weighted) / numel)
         curves[granularity] = ratios

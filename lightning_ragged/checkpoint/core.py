@@ -49,8 +49,9 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 
-from lightning_ragged import atomic_dir, checkpoint_timeout, checksums, safe_unpickle
-from lightning_ragged.ragged_shard import RaggedShard
+from lightning_ragged.checkpoint import atomic_dir, checksums, safe_unpickle
+from lightning_ragged.checkpoint import timeout as checkpoint_timeout
+from lightning_ragged.layout.ragged_shard import RaggedShard
 
 FORMAT_VERSION = 1
 """Bumped when the layout of a checkpoint changes in a way older readers cannot follow."""
@@ -99,7 +100,7 @@ class ChecksumMismatchError(CorruptCheckpointError):
 
 _TRUST_HINT = (
     "Refused: unpickling it could run arbitrary code. If you trust whoever wrote this checkpoint, load it with "
-    "trust_checkpoint=True (RaggedFSDPStrategy(trust_checkpoint=True), lightning_ragged.checkpoint.load(..., "
+    "trust_checkpoint=True (RaggedFSDPStrategy(trust_checkpoint=True), lightning_ragged.checkpoint.core.load(..., "
     "trust_checkpoint=True), python -m lightning_ragged.consolidate --trust-checkpoint); to allow only your own "
     "types, register them with torch.serialization.add_safe_globals([...])."
 )
@@ -211,16 +212,16 @@ def _sharded_params(module: nn.Module) -> dict[str, nn.Parameter]:
     """
     if not _is_sharded(module):
         return {}
-    from lightning_ragged.fsdp import get_state
+    from lightning_ragged.engine.api import get_state
 
     prefixes: dict[int, list[str]] = {}
     for prefix, submodule in module.named_modules(remove_duplicate=False):
         prefixes.setdefault(id(submodule), []).append(prefix)
     result = {}
     for group in get_state(module).all_groups:
-        for owner, attr, bucket, name in group.slots:
+        for owner, attr, dbuffer, name in group.slots:
             for prefix in prefixes.get(id(owner), []):
-                result[f"{prefix}.{attr}" if prefix else attr] = bucket.sharded_params[name]
+                result[f"{prefix}.{attr}" if prefix else attr] = dbuffer.sharded_params[name]
     return result
 
 
@@ -669,7 +670,7 @@ class CheckpointWriter:
             if not full:
                 _move_into_place(tmp, path)
                 return
-            from lightning_ragged.consolidate import write_full_checkpoint
+            from lightning_ragged.checkpoint.consolidation import write_full_checkpoint
 
             # Our own fresh save: meta is the live objects (trusted); the shards are verified as read.
             metadata = safe_unpickle.load_dcp_metadata((tmp / ".metadata").read_bytes())

@@ -27,8 +27,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_ragged.dbuffer import DBuffer
-from lightning_ragged.fsdp import RaggedFSDPState, get_state
+from lightning_ragged.engine.dbuffer import DBuffer
+from lightning_ragged.engine.api import RaggedFSDPState, get_state
 
 _WRAPPED = (
     "unshard",
@@ -42,22 +42,22 @@ _WRAPPED = (
 _instances = itertools.count()
 
 
-class BucketInfo:
+class DBufferInfo:
     """What a probe knows about one DBuffer: its group, its index in the group, its sizes."""
 
-    __slots__ = ("bucket", "group", "index", "label", "unsharded_bytes", "cast_bytes", "reduce_cast_bytes")
+    __slots__ = ("dbuffer", "group", "index", "label", "unsharded_bytes", "cast_bytes", "reduce_cast_bytes")
 
-    def __init__(self, bucket: DBuffer, group: str, index: int, buckets_in_group: int) -> None:
-        self.bucket = bucket
+    def __init__(self, dbuffer: DBuffer, group: str, index: int, dbuffers_in_group: int) -> None:
+        self.dbuffer = dbuffer
         self.group = group
         self.index = index
-        self.label = group if buckets_in_group == 1 else f"{group}#{index}"
-        element = torch.empty((), dtype=bucket.param_dtype).element_size()
-        self.unsharded_bytes = bucket.layout.buffer_numel * element
-        self.cast_bytes = bucket.layout.segment_size * element if bucket.param_dtype != bucket.master_dtype else 0
-        reduce_element = torch.empty((), dtype=bucket.reduce_dtype).element_size()
+        self.label = group if dbuffers_in_group == 1 else f"{group}#{index}"
+        element = torch.empty((), dtype=dbuffer.param_dtype).element_size()
+        self.unsharded_bytes = dbuffer.layout.buffer_numel * element
+        self.cast_bytes = dbuffer.layout.segment_size * element if dbuffer.param_dtype != dbuffer.master_dtype else 0
+        reduce_element = torch.empty((), dtype=dbuffer.reduce_dtype).element_size()
         self.reduce_cast_bytes = (
-            bucket.layout.buffer_numel * reduce_element if bucket.reduce_dtype != bucket.param_dtype else 0
+            dbuffer.layout.buffer_numel * reduce_element if dbuffer.reduce_dtype != dbuffer.param_dtype else 0
         )
 
 
@@ -66,16 +66,16 @@ class EngineProbe:
 
     def __init__(self, state: RaggedFSDPState) -> None:
         self.state = state
-        self.buckets: list[BucketInfo] = []
+        self.dbuffers: list[DBufferInfo] = []
         for group in state.all_groups:
-            for index, bucket in enumerate(group.buckets):
-                self.buckets.append(BucketInfo(bucket, group.name, index, len(group.buckets)))
+            for index, dbuffer in enumerate(group.dbuffers):
+                self.dbuffers.append(DBufferInfo(dbuffer, group.name, index, len(group.dbuffers)))
         self.blocked_all_gather_seconds = 0.0
         self.blocked_reduce_seconds = 0.0
         self.engine_copy_bytes = 0
-        self.unsharded_bytes = sum(info.unsharded_bytes for info in self.buckets if info.bucket.is_unsharded)
+        self.unsharded_bytes = sum(info.unsharded_bytes for info in self.dbuffers if info.dbuffer.is_unsharded)
         self.unsharded_peak_bytes = self.unsharded_bytes
-        self.grad_bytes = sum(info.unsharded_bytes for info in self.buckets if info.bucket.has_unsharded_grad)
+        self.grad_bytes = sum(info.unsharded_bytes for info in self.dbuffers if info.dbuffer.has_unsharded_grad)
         self.grad_peak_bytes = self.grad_bytes
         self.step = 0
         """Set by the caller (the Lightning callback sets the global step); named in diagnostics."""
@@ -87,7 +87,7 @@ class EngineProbe:
         self._pending_sequence: dict[tuple[int, str], int] = {}
         self._instance = next(_instances)
         self._originals: list[tuple[DBuffer, str, bool, Any]] = []
-        for info in self.buckets:
+        for info in self.dbuffers:
             self._install(info)
 
     # ------------------------------------------------------------ counters
@@ -96,51 +96,50 @@ class EngineProbe:
         self.unsharded_peak_bytes = self.unsharded_bytes
         self.grad_peak_bytes = self.grad_bytes
 
-    def group_key(self, bucket: DBuffer) -> str:
-        """A name of the bucket's process group that is the same on every member rank."""
-        group = bucket.shard_group if bucket.shard_group is not None else dist.group.WORLD
+    def group_key(self, dbuffer: DBuffer) -> str:
+        """A name of the dbuffer's process group that is the same on every member rank."""
+        group = dbuffer.process_group if dbuffer.process_group is not None else dist.group.WORLD
         return f"{getattr(group, 'group_name', 'world')}.{self._instance}"
 
-    def _next_sequence(self, bucket: DBuffer, collective: str) -> None:
-        key = self.group_key(bucket)
+    def _next_sequence(self, dbuffer: DBuffer, collective: str) -> None:
+        key = self.group_key(dbuffer)
         number = self._sequence.get(key, 0) + 1
         self._sequence[key] = number
-        self._pending_sequence[(id(bucket), collective)] = number
+        self._pending_sequence[(id(dbuffer), collective)] = number
 
-    def pending_sequence(self, bucket: DBuffer, collective: str) -> int:
-        return self._pending_sequence.get((id(bucket), collective), 0)
+    def pending_sequence(self, dbuffer: DBuffer, collective: str) -> int:
+        return self._pending_sequence.get((id(dbuffer), collective), 0)
 
     # ------------------------------------------------------------ wrappers
-    def _install(self, info: BucketInfo) -> None:
-        bucket = info.bucket
+    def _install(self, info: DBufferInfo) -> None:
+        dbuffer = info.dbuffer
         for name in _WRAPPED:
-            had_own = name in bucket.__dict__
-            original = getattr(bucket, name)
-            self._originals.append((bucket, name, had_own, bucket.__dict__.get(name)))
-            setattr(bucket, name, getattr(self, f"_wrap_{name}")(info, original))
+            had_own = name in dbuffer.__dict__
+            original = getattr(dbuffer, name)
+            self._originals.append((dbuffer, name, had_own, dbuffer.__dict__.get(name)))
+            setattr(dbuffer, name, getattr(self, f"_wrap_{name}")(info, original))
 
     def remove(self) -> None:
         """Restore the DBuffers' own methods."""
-        for bucket, name, had_own, previous in reversed(self._originals):
+        for dbuffer, name, had_own, previous in reversed(self._originals):
             if had_own:
-                setattr(bucket, name, previous)
+                setattr(dbuffer, name, previous)
             else:
-                bucket.__dict__.pop(name, None)
+                dbuffer.__dict__.pop(name, None)
         self._originals.clear()
         if getattr(self.state, "_ragged_probe", None) is self:
             del self.state._ragged_probe
 
-    def _fail(self, error: BaseException, info: BucketInfo, collective: str) -> BaseException:
+    def _fail(self, error: BaseException, info: DBufferInfo, collective: str) -> BaseException:
         if not self.diagnostics:
             return error
-        from lightning_ragged import diagnostics
-
+        from lightning_ragged.observability import diagnostics
         return diagnostics.translate(error, self, info, collective)
 
-    def _collective_name(self, bucket: DBuffer) -> str:
-        return "all_reduce" if bucket.reduce_mode == "all_reduce" else "reduce_scatter"
+    def _collective_name(self, dbuffer: DBuffer) -> str:
+        return "all_reduce" if dbuffer.reduce_mode == "all_reduce" else "reduce_scatter"
 
-    def _blocking(self, info: BucketInfo, collective: str, counter: str, call: Callable, **kwargs: Any) -> None:
+    def _blocking(self, info: DBufferInfo, collective: str, counter: str, call: Callable, **kwargs: Any) -> None:
         """``call(**kwargs)``, its time added to ``counter`` unless nested in another wrapped call; errors named."""
         outer = self._depth == 0
         self._depth += 1
@@ -155,13 +154,13 @@ class EngineProbe:
             if outer:
                 setattr(self, counter, getattr(self, counter) + time.perf_counter() - started)
 
-    def _wrap_unshard(self, info: BucketInfo, original: Callable) -> Callable:
-        bucket = info.bucket
+    def _wrap_unshard(self, info: DBufferInfo, original: Callable) -> Callable:
+        dbuffer = info.dbuffer
 
         def unshard(async_op: bool = False) -> None:
-            if bucket.is_unsharded:
+            if dbuffer.is_unsharded:
                 return original(async_op=async_op)
-            self._next_sequence(bucket, "all_gather")
+            self._next_sequence(dbuffer, "all_gather")
             self._blocking(info, "all_gather", "blocked_all_gather_seconds", original, async_op=async_op)
             self.engine_copy_bytes += info.cast_bytes
             self.unsharded_bytes += info.unsharded_bytes
@@ -170,71 +169,71 @@ class EngineProbe:
 
         return unshard
 
-    def _wrap_wait_unshard(self, info: BucketInfo, original: Callable) -> Callable:
-        bucket = info.bucket
+    def _wrap_wait_unshard(self, info: DBufferInfo, original: Callable) -> Callable:
+        dbuffer = info.dbuffer
 
         def wait_unshard() -> None:
-            if bucket._pending_unshard is None:
+            if dbuffer._pending_unshard is None:
                 return original()
             self._blocking(info, "all_gather", "blocked_all_gather_seconds", original)
 
         return wait_unshard
 
-    def _wrap_reshard(self, info: BucketInfo, original: Callable) -> Callable:
-        bucket = info.bucket
+    def _wrap_reshard(self, info: DBufferInfo, original: Callable) -> Callable:
+        dbuffer = info.dbuffer
 
         def reshard() -> None:
-            was = bucket.is_unsharded
+            was = dbuffer.is_unsharded
             original()
-            if was and not bucket.is_unsharded:
+            if was and not dbuffer.is_unsharded:
                 self.unsharded_bytes -= info.unsharded_bytes
 
         return reshard
 
-    def _wrap_reduce_grad(self, info: BucketInfo, original: Callable) -> Callable:
-        bucket = info.bucket
+    def _wrap_reduce_grad(self, info: DBufferInfo, original: Callable) -> Callable:
+        dbuffer = info.dbuffer
 
         def reduce_grad(async_op: bool = True) -> None:
-            collective = self._collective_name(bucket)
-            self._next_sequence(bucket, collective)
+            collective = self._collective_name(dbuffer)
+            self._next_sequence(dbuffer, collective)
             self._blocking(info, collective, "blocked_reduce_seconds", original, async_op=async_op)
             self.engine_copy_bytes += info.reduce_cast_bytes
 
         return reduce_grad
 
-    def _wrap_finish_reduce(self, info: BucketInfo, original: Callable) -> Callable:
-        bucket = info.bucket
+    def _wrap_finish_reduce(self, info: DBufferInfo, original: Callable) -> Callable:
+        dbuffer = info.dbuffer
 
         def finish_reduce() -> None:
-            if bucket._pending_reduce is None:
+            if dbuffer._pending_reduce is None:
                 return original()
-            self._blocking(info, self._collective_name(bucket), "blocked_reduce_seconds", original)
+            self._blocking(info, self._collective_name(dbuffer), "blocked_reduce_seconds", original)
 
         return finish_reduce
 
-    def _wrap_prepare_unsharded_grad(self, info: BucketInfo, original: Callable) -> Callable:
-        bucket = info.bucket
+    def _wrap_prepare_unsharded_grad(self, info: DBufferInfo, original: Callable) -> Callable:
+        dbuffer = info.dbuffer
 
         def prepare_unsharded_grad() -> None:
-            was = bucket.has_unsharded_grad
+            was = dbuffer.has_unsharded_grad
             try:
                 original()
             except BaseException as error:  # noqa: BLE001
                 raise self._fail(error, info, "gradient buffer") from error
-            if not was and bucket.has_unsharded_grad:
+            if not was and dbuffer.has_unsharded_grad:
                 self.grad_bytes += info.unsharded_bytes
                 if self.grad_bytes > self.grad_peak_bytes:
                     self.grad_peak_bytes = self.grad_bytes
 
         return prepare_unsharded_grad
 
-    def _wrap_free_unsharded_grad(self, info: BucketInfo, original: Callable) -> Callable:
-        bucket = info.bucket
+    def _wrap_free_unsharded_grad(self, info: DBufferInfo, original: Callable) -> Callable:
+        dbuffer = info.dbuffer
 
         def free_unsharded_grad() -> None:
-            was = bucket.has_unsharded_grad
+            was = dbuffer.has_unsharded_grad
             original()
-            if was and not bucket.has_unsharded_grad:
+            if was and not dbuffer.has_unsharded_grad:
                 self.grad_bytes -= info.unsharded_bytes
 
         return free_unsharded_grad

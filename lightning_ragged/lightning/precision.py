@@ -24,7 +24,7 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.optim import Optimizer
 
-from lightning_ragged.grad_clip import clip_grad_norm_, clip_grad_value_
+from lightning_ragged.engine.grad_clip import clip_grad_norm_, clip_grad_value_
 
 SUPPORTED_PRECISION = ("32-true", "bf16-mixed", "bf16-true", "16-true", "64-true")
 

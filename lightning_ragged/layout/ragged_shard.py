@@ -15,7 +15,7 @@ from typing import Any, Sequence
 
 import torch
 
-from lightning_ragged.errors import RaggedShardBoundaryViolation
+from lightning_ragged.layout.errors import RaggedShardBoundaryViolation
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]
 """An N-D rectangle of a tensor: (offsets, sizes)."""

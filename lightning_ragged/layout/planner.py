@@ -72,7 +72,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Callable, Mapping, Optional, Sequence
 
-from lightning_ragged.errors import DBufferAlignmentError, RaggedShardBoundaryViolation
+from lightning_ragged.layout.errors import DBufferAlignmentError, RaggedShardBoundaryViolation
 
 ALGORITHMS = ("greedy", "optimal")
 

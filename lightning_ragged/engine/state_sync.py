@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_ragged.dbuffer import DBuffer
+from lightning_ragged.engine.dbuffer import DBuffer
 
 BROADCAST_BUCKET_BYTES = 250 * 2**20
 """Bytes per coalesced broadcast (DDP's ``broadcast_bucket_size``)."""
@@ -45,27 +45,27 @@ def _size(group: dist.ProcessGroup | None) -> int:
     return dist.get_world_size(group)
 
 
-def scatter_from_rank0(bucket: DBuffer, params: Sequence[tuple[str, torch.Tensor]]) -> None:
-    """Overwrite every rank's segment of ``bucket`` with the same segment of rank 0's full tensors.
+def scatter_from_rank0(dbuffer: DBuffer, params: Sequence[tuple[str, torch.Tensor]]) -> None:
+    """Overwrite every rank's segment of ``dbuffer`` with the same segment of rank 0's full tensors.
 
     ``params`` are the original full tensors (name, tensor) the DBuffer was built from; only
     rank 0 of the shard group reads them. Collective over the shard group (and the replicate group).
     """
-    group = bucket.shard_group
-    segment = bucket.layout.segment_size
-    if bucket.world_size > 1:
+    group = dbuffer.process_group
+    segment = dbuffer.layout.segment_size
+    if dbuffer.world_size > 1:
         scatter_list = None
-        if bucket.rank == 0:
-            full = torch.zeros(bucket.world_size * segment, dtype=bucket.master_dtype, device=bucket.device)
+        if dbuffer.rank == 0:
+            full = torch.zeros(dbuffer.world_size * segment, dtype=dbuffer.master_dtype, device=dbuffer.device)
             with torch.no_grad():
                 for name, param in params:
-                    begin = bucket.layout.offsets[name]
+                    begin = dbuffer.layout.offsets[name]
                     full[begin : begin + param.numel()].copy_(param.detach().reshape(-1))
             scatter_list = list(full.split(segment))  # views: one flat buffer, no per-rank copy
-        dist.scatter(bucket.sharded, scatter_list, src=_global_rank(group, 0), group=group)
-    replicate = bucket.replicate_group
+        dist.scatter(dbuffer.sharded, scatter_list, src=_global_rank(group, 0), group=group)
+    replicate = dbuffer.replicate_group
     if replicate is not None and _size(replicate) > 1:
-        dist.broadcast(bucket.sharded, src=_global_rank(replicate, 0), group=replicate)
+        dist.broadcast(dbuffer.sharded, src=_global_rank(replicate, 0), group=replicate)
 
 
 def _preserve_versions(tensors: list[torch.Tensor]) -> contextlib.AbstractContextManager:
@@ -118,12 +118,12 @@ def _world() -> dist.ProcessGroup:
 
 def sync_params_and_buffers(
     module: nn.Module,
-    buckets_and_params: Iterator[tuple[DBuffer, Sequence[tuple[str, torch.Tensor]]]],
+    dbuffers_and_params: Iterator[tuple[DBuffer, Sequence[tuple[str, torch.Tensor]]]],
     shard_group: dist.ProcessGroup | None,
     replicate_group: dist.ProcessGroup | None,
 ) -> None:
     """``fully_shard(sync_module_states=True)``: rank 0's parameters (per DBuffer) and buffers everywhere."""
-    for bucket, params in buckets_and_params:
+    for dbuffer, params in dbuffers_and_params:
         if not any(p.is_meta for _, p in params):
-            scatter_from_rank0(bucket, params)
+            scatter_from_rank0(dbuffer, params)
     BufferSync(module, shard_group, replicate_group).broadcast()

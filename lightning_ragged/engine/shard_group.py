@@ -13,7 +13,7 @@ from typing import Callable, Iterator
 
 from torch import nn
 
-from lightning_ragged.dbuffer import DBuffer
+from lightning_ragged.engine.dbuffer import DBuffer
 
 
 class ShardGroup:
@@ -28,14 +28,14 @@ class ShardGroup:
         self,
         name: str,
         module: nn.Module,
-        buckets: list[DBuffer],
+        dbuffers: list[DBuffer],
         slots: list[tuple[nn.Module, str, DBuffer, str]],
         reshard_after_forward: bool | int,
         is_root: bool = False,
     ) -> None:
         self.name = name
         self.module = module
-        self.buckets = buckets
+        self.dbuffers = dbuffers
         self.slots = slots
         self.is_root = is_root
         self.reshard_after_forward: bool | int = reshard_after_forward
@@ -50,32 +50,32 @@ class ShardGroup:
 
     @property
     def is_unsharded(self) -> bool:
-        return all(bucket.is_unsharded for bucket in self.buckets)
+        return all(dbuffer.is_unsharded for dbuffer in self.dbuffers)
 
     def unsharded_params(self) -> Iterator[tuple[DBuffer, str, nn.Parameter]]:
-        for bucket in self.buckets:
-            for name, param in bucket.unsharded_params.items():
-                yield bucket, name, param
+        for dbuffer in self.dbuffers:
+            for name, param in dbuffer.unsharded_params.items():
+                yield dbuffer, name, param
 
     # ------------------------------------------------------------ parameters
     def unshard(self, async_op: bool = False) -> None:
-        for bucket in self.buckets:
-            bucket.unshard(async_op=async_op)
+        for dbuffer in self.dbuffers:
+            dbuffer.unshard(async_op=async_op)
 
     def wait_unshard(self) -> None:
-        for bucket in self.buckets:
-            bucket.wait_unshard()
+        for dbuffer in self.dbuffers:
+            dbuffer.wait_unshard()
 
     def use_unsharded(self) -> None:
         """Unshard (waiting for a prefetch if one is in flight) and point the modules at full parameters."""
         self.unshard()
         self.wait_unshard()
-        self._swap(lambda bucket, name: bucket.unsharded_params[name])
+        self._swap(lambda dbuffer, name: dbuffer.unsharded_params[name])
 
     def reshard(self) -> None:
         """Free the full parameters and point the modules back at the shards."""
-        for bucket in self.buckets:
-            bucket.reshard()
+        for dbuffer in self.dbuffers:
+            dbuffer.reshard()
         self.use_sharded()
 
     def reshard_after_forward_step(self) -> None:
@@ -85,24 +85,24 @@ class ShardGroup:
         if self.reshard_after_forward is True:
             self.reshard()
             return
-        for bucket in self.buckets:
-            bucket.reshard_to_partial()
+        for dbuffer in self.dbuffers:
+            dbuffer.reshard_to_partial()
         self.use_sharded()
 
     def use_sharded(self) -> None:
-        self._swap(lambda bucket, name: bucket.sharded_params[name])
+        self._swap(lambda dbuffer, name: dbuffer.sharded_params[name])
 
     def _swap(self, pick: Callable[[DBuffer, str], nn.Parameter]) -> None:
-        for module, attr, bucket, name in self.slots:
-            module._parameters[attr] = pick(bucket, name)
+        for module, attr, dbuffer, name in self.slots:
+            module._parameters[attr] = pick(dbuffer, name)
 
     # ------------------------------------------------------------- gradients
     def prepare_backward(self) -> None:
         """Unshard for backward, attach gradient buffers (trainable DBuffers only), start counting gradients."""
         self.use_unsharded()
-        for bucket in self.buckets:
-            bucket.prepare_unsharded_grad()
-            bucket.begin_backward()
+        for dbuffer in self.dbuffers:
+            dbuffer.prepare_unsharded_grad()
+            dbuffer.begin_backward()
         self.backward_prepared = True
 
     def end_backward(self) -> None:
@@ -112,7 +112,7 @@ class ShardGroup:
 
     def reset(self) -> None:
         """Drop a failed step: finish issued collectives, free full and gradient buffers, point at shards."""
-        for bucket in self.buckets:
-            bucket.reset()
+        for dbuffer in self.dbuffers:
+            dbuffer.reset()
         self.use_sharded()
         self.end_backward()

@@ -12,7 +12,7 @@ uninitialized. ``materialize_meta_module`` fills them group by group:
    ``PreTrainedModel`` its ``post_init`` initialization, ``_initialize_weights(module)``
    children first with the model's own ``_init_weights`` (which also recomputes
    non-persistent buffers such as the rotary ``inv_freq``); see ``init_replay.py``,
-4. copy this rank's segment into ``bucket.sharded`` and free the buffer.
+4. copy this rank's segment into ``dbuffer.sharded`` and free the buffer.
 
 **What matches.** The replay makes the same calls, on tensors of the same shapes, dtypes
 and device, in the same order as ``torch.manual_seed(seed)`` followed by building the model
@@ -43,8 +43,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_ragged.fsdp import get_state
-from lightning_ragged.init_replay import (
+from lightning_ragged.engine.api import get_state
+from lightning_ragged.engine.init_replay import (
     InitEvent,
     Trace,
     eager_init_events,
@@ -52,7 +52,7 @@ from lightning_ragged.init_replay import (
     tied_target_slots,
     trace_events,
 )
-from lightning_ragged.shard_group import ShardGroup
+from lightning_ragged.engine.shard_group import ShardGroup
 
 
 def has_meta_tensors(module: nn.Module) -> bool:
@@ -115,7 +115,7 @@ def materialize_meta_module(
         _check_coverage(module, groups, trace, meta_buffers, device)
 
     by_id = {id(group): group for group in groups}
-    key_group = {(id(b), name): group for group in groups for b in group.buckets for name in b.unsharded_params}
+    key_group = {(id(b), name): group for group in groups for b in group.dbuffers for name in b.unsharded_params}
     dead_in: list[set[tuple[int, str]]] = [set() for _ in events]
     accessed: list[set[Any]] = [set() for _ in events]
     first_live: dict[int, int] = {}
@@ -143,17 +143,17 @@ def materialize_meta_module(
         tied_span = {slot: (0, max(len(events) - 1, 0)) for slot in tied}
     slots_of: dict[Any, list[tuple[nn.Module, str]]] = {}
     for group in groups:
-        for owner, attr, bucket, name in group.slots:
+        for owner, attr, dbuffer, name in group.slots:
             if (id(owner), attr) in tied:
                 slots_of.setdefault(("tied", id(owner), attr), []).append((owner, attr))
             else:
-                slots_of.setdefault((id(bucket), name), []).append((owner, attr))
+                slots_of.setdefault((id(dbuffer), name), []).append((owner, attr))
     template = {(id(b), name): (b.unsharded_params[name].shape, b.master_dtype, b.sharded_params[name].requires_grad)
-                for group in groups for b in group.buckets for name in b.unsharded_params}
+                for group in groups for b in group.dbuffers for name in b.unsharded_params}
     for group in groups:
-        for owner, attr, bucket, name in group.slots:
+        for owner, attr, dbuffer, name in group.slots:
             if (id(owner), attr) in tied:
-                template[("tied", id(owner), attr)] = template[(id(bucket), name)]
+                template[("tied", id(owner), attr)] = template[(id(dbuffer), name)]
 
     def scratch(key: Any) -> nn.Parameter:
         shape, dtype, requires_grad = template[key]
@@ -197,7 +197,7 @@ def materialize_meta_module(
 
 
 def _group_bytes(group: ShardGroup) -> int:
-    return sum(b.world_size * b.layout.segment_size * b.sharded.element_size() for b in group.buckets)
+    return sum(b.world_size * b.layout.segment_size * b.sharded.element_size() for b in group.dbuffers)
 
 
 def _dry_run(module: nn.Module, groups: list[ShardGroup], events: list[InitEvent],
@@ -206,18 +206,18 @@ def _dry_run(module: nn.Module, groups: list[ShardGroup], events: list[InitEvent
     tracked: list[tuple[torch.Tensor, Any]] = []
     views: dict[tuple[int, str], nn.Parameter] = {}
     for group in groups:
-        for bucket in group.buckets:
-            flat = torch.empty(bucket.world_size * bucket.layout.segment_size, dtype=bucket.master_dtype,
+        for dbuffer in group.dbuffers:
+            flat = torch.empty(dbuffer.world_size * dbuffer.layout.segment_size, dtype=dbuffer.master_dtype,
                                device="meta")
-            for name, param in bucket.unsharded_params.items():
-                begin = bucket.layout.offsets[name]
-                requires_grad = bucket.sharded_params[name].requires_grad
+            for name, param in dbuffer.unsharded_params.items():
+                begin = dbuffer.layout.offsets[name]
+                requires_grad = dbuffer.sharded_params[name].requires_grad
                 view = nn.Parameter(flat[begin : begin + param.numel()].view(param.shape), requires_grad)
-                views[(id(bucket), name)] = view
-                tracked.append((view, (id(bucket), name)))
+                views[(id(dbuffer), name)] = view
+                tracked.append((view, (id(dbuffer), name)))
     for group in groups:
-        for owner, attr, bucket, name in group.slots:
-            view = views[(id(bucket), name)]
+        for owner, attr, dbuffer, name in group.slots:
+            view = views[(id(dbuffer), name)]
             if (id(owner), attr) in tied:  # its own tensor, as in eager before tie_weights()
                 view = nn.Parameter(torch.empty_like(view, device="meta"), view.requires_grad)
                 tracked.append((view, ("tied", id(owner), attr)))
@@ -254,10 +254,10 @@ def _check_coverage(module: nn.Module, groups: list[ShardGroup], trace: Trace,
     missing = []
     names = {id(p): n for n, p in module.named_parameters(remove_duplicate=False)}
     for group in groups:
-        for bucket in group.buckets:
-            for name, param in bucket.unsharded_params.items():
-                if not trace.initialized((id(bucket), name)):
-                    missing.append(names.get(id(bucket.sharded_params[name]), name))
+        for dbuffer in group.dbuffers:
+            for name, param in dbuffer.unsharded_params.items():
+                if not trace.initialized((id(dbuffer), name)):
+                    missing.append(names.get(id(dbuffer.sharded_params[name]), name))
     unset = [(path, sub, attr) for path, sub in module.named_modules() for attr, b in sub._buffers.items()
              if b is not None and (id(sub), attr) in meta_buffers and not trace.initialized(("buffer", id(sub), attr))]
     for path, sub, attr in unset:
@@ -305,23 +305,23 @@ def _materialize_buffers(module: nn.Module, device: torch.device) -> None:
 def _open_group(group: ShardGroup) -> dict[tuple[int, str], torch.Tensor]:
     """Allocate full master-dtype buffers for a group and point its module slots at full views."""
     views: dict[tuple[int, str], torch.Tensor] = {}
-    for bucket in group.buckets:
-        layout = bucket.layout
-        full = torch.zeros(bucket.world_size * layout.segment_size, dtype=bucket.master_dtype, device=bucket.device)
-        for name, param in bucket.unsharded_params.items():
+    for dbuffer in group.dbuffers:
+        layout = dbuffer.layout
+        full = torch.zeros(dbuffer.world_size * layout.segment_size, dtype=dbuffer.master_dtype, device=dbuffer.device)
+        for name, param in dbuffer.unsharded_params.items():
             begin = layout.offsets[name]
-            views[(id(bucket), name)] = nn.Parameter(
+            views[(id(dbuffer), name)] = nn.Parameter(
                 full[begin : begin + param.numel()].view(param.shape), requires_grad=param.requires_grad
             )
-        views[(id(bucket), "")] = full
-    group._swap(lambda bucket, name: views[(id(bucket), name)])
+        views[(id(dbuffer), "")] = full
+    group._swap(lambda dbuffer, name: views[(id(dbuffer), name)])
     return views
 
 
 def _close_group(group: ShardGroup, views: dict[tuple[int, str], torch.Tensor]) -> None:
     """Keep this rank's segment of each full buffer, then drop the buffers."""
-    for bucket in group.buckets:
-        bucket.sharded.copy_(views[(id(bucket), "")][bucket.segment])
+    for dbuffer in group.dbuffers:
+        dbuffer.sharded.copy_(views[(id(dbuffer), "")][dbuffer.segment])
     group.reshard()
     views.clear()
 

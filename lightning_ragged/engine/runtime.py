@@ -31,8 +31,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from lightning_ragged.dbuffer import CommStats, DBuffer
-from lightning_ragged.shard_group import ShardGroup
+from lightning_ragged.engine.dbuffer import CommStats, DBuffer
+from lightning_ragged.engine.shard_group import ShardGroup
 
 
 class RaggedFSDPState:
@@ -73,14 +73,14 @@ class RaggedFSDPState:
     def root_fraction(self) -> float:
         """Share of the parameters (elements) that sit in the root group, which is never resharded after forward."""
         def numel(groups: list[ShardGroup]) -> int:
-            return sum(spec.numel for g in groups for b in g.buckets for spec in b.layout.specs.values())
+            return sum(spec.numel for g in groups for b in g.dbuffers for spec in b.layout.specs.values())
 
         total = numel(self.all_groups)
         return numel([g for g in self.all_groups if g.is_root]) / total if total else 0.0
 
-    def buckets(self) -> Iterator[DBuffer]:
+    def dbuffers(self) -> Iterator[DBuffer]:
         for group in self.all_groups:
-            yield from group.buckets
+            yield from group.dbuffers
 
     # ------------------------------------------------------------------- step
     def root_pre_forward(self) -> None:
@@ -115,9 +115,9 @@ class RaggedFSDPState:
                     group.reshard()
                 group.end_backward()
         self._previous_order, self.forward_order = self.forward_order or self._previous_order, []
-        for bucket in self.buckets():
-            for name, param in bucket.sync_requires_grad():
-                self.hook_grad(bucket, name, param)
+        for dbuffer in self.dbuffers():
+            for name, param in dbuffer.sync_requires_grad():
+                self.hook_grad(dbuffer, name, param)
         if self.buffer_sync is not None and self._buffers_need_sync:
             self.buffer_sync.broadcast()  # DDP's broadcast_buffers: rank 0's buffers before this forward
 
@@ -133,13 +133,13 @@ class RaggedFSDPState:
         self._reduced.clear()
         self._in_backward = False
 
-    def hook_grad(self, bucket: DBuffer, name: str, param: nn.Parameter) -> None:
+    def hook_grad(self, dbuffer: DBuffer, name: str, param: nn.Parameter) -> None:
         """Tell the runtime when autograd finished ``param``'s gradient (once per parameter)."""
         if id(param) in self._hooked:
             return
         self._hooked.add(id(param))
-        group = next(g for g in self.all_groups if bucket in g.buckets)
-        hook = eager(lambda _p: self.grad_arrived(group, bucket, name))
+        group = next(g for g in self.all_groups if dbuffer in g.dbuffers)
+        hook = eager(lambda _p: self.grad_arrived(group, dbuffer, name))
         self.handles.append(param.register_post_accumulate_grad_hook(hook))
 
     # ---------------------------------------------------------------- forward
@@ -149,8 +149,8 @@ class RaggedFSDPState:
                 return self._cast_inputs(group, args, kwargs)  # another module using a root parameter
             if not group.is_root and group not in self.forward_order:
                 self.forward_order.append(group)
-            for bucket in group.buckets:
-                bucket.release_unused_sharded_grad()
+            for dbuffer in group.dbuffers:
+                dbuffer.release_unused_sharded_grad()
         group.use_unsharded()
         if self._in_backward:  # a recomputation (activation checkpointing) inside backward
             return self._cast_inputs(group, args, kwargs)
@@ -231,14 +231,14 @@ class RaggedFSDPState:
         group.prepare_backward()
         self._prefetch(group, forward=False)
 
-    def grad_arrived(self, group: ShardGroup, bucket: DBuffer, name: str) -> None:
+    def grad_arrived(self, group: ShardGroup, dbuffer: DBuffer, name: str) -> None:
         """A parameter's gradient is complete; the root's DBuffers reduce as soon as all of theirs are.
 
         Only the reduction starts early (it reads gradients only); the root's full
         parameters stay until the end of backward. Blocks reduce at their post-backward.
         """
-        if bucket.grad_arrived(name) and group.is_root and self.requires_gradient_sync:
-            self._reduce(bucket)
+        if dbuffer.grad_arrived(name) and group.is_root and self.requires_gradient_sync:
+            self._reduce(dbuffer)
 
     def post_backward(self, group: ShardGroup) -> None:
         """The module's backward is done: reduce its trainable DBuffers, then free its full parameters."""
@@ -248,27 +248,27 @@ class RaggedFSDPState:
         self._finish_group(group)
 
     def _finish_group(self, group: ShardGroup) -> None:
-        for bucket in group.buckets:
-            if not bucket.has_grad_to_reduce or bucket in self._reduced:
+        for dbuffer in group.dbuffers:
+            if not dbuffer.has_grad_to_reduce or dbuffer in self._reduced:
                 continue
             if self.requires_gradient_sync:
-                self._reduce(bucket)
+                self._reduce(dbuffer)
             else:
-                bucket.stash_unsynced_grad()
+                dbuffer.stash_unsynced_grad()
         if group.reshard_after_backward:
             group.reshard()
         group.end_backward()
 
-    def _reduce(self, bucket: DBuffer) -> None:
+    def _reduce(self, dbuffer: DBuffer) -> None:
         """Issue one DBuffer's asynchronous reduction, finishing the previous ones first (at most one in flight)."""
         self._finish_in_flight()
-        bucket.reduce_grad(async_op=True)
-        self._in_flight.append(bucket)
-        self._reduced.append(bucket)
+        dbuffer.reduce_grad(async_op=True)
+        self._in_flight.append(dbuffer)
+        self._reduced.append(dbuffer)
 
     def _finish_in_flight(self) -> None:
-        for bucket in self._in_flight:
-            bucket.finish_reduce()
+        for dbuffer in self._in_flight:
+            dbuffer.finish_reduce()
         self._in_flight.clear()
 
     def _end_of_backward(self) -> None:
@@ -285,9 +285,9 @@ class RaggedFSDPState:
 
     def _settle_unused(self) -> None:
         """One small all-reduce: a parameter that received no gradient on any rank keeps ``grad is None``."""
-        flags = [flag for bucket in self._reduced for flag in bucket.used_flags()]
+        flags = [flag for dbuffer in self._reduced for flag in dbuffer.used_flags()]
         counts = torch.tensor(flags, dtype=torch.int32)
-        process_group = self._reduced[0].shard_group
+        process_group = self._reduced[0].process_group
         work = dist.all_reduce(counts, group=process_group, async_op=True)
         replicate = self._reduced[0].replicate_group
         self._finish_in_flight()
@@ -296,9 +296,9 @@ class RaggedFSDPState:
             dist.all_reduce(counts, group=replicate)
         self.stats.flag_syncs += 1
         used = counts.tolist()
-        for bucket in self._reduced:
-            count = bucket.trainable_count
-            bucket.settle_unused([u > 0 for u in used[:count]])
+        for dbuffer in self._reduced:
+            count = dbuffer.trainable_count
+            dbuffer.settle_unused([u > 0 for u in used[:count]])
             used = used[count:]
 
     # ----------------------------------------------------------------- public

@@ -51,9 +51,9 @@ from typing import Any, Iterable, Optional
 import torch
 from torch import nn
 
-from lightning_ragged.copy_accounting import CopyCounter
-from lightning_ragged.fsdp import RaggedFSDPState
-from lightning_ragged.probes import EngineProbe, probe, sharded_states
+from lightning_ragged.observability.copy_counter import CopyCounter
+from lightning_ragged.engine.api import RaggedFSDPState
+from lightning_ragged.observability.probes import EngineProbe, probe, sharded_states
 
 PREFIX = "ragged_fsdp/"
 
@@ -97,7 +97,7 @@ class EngineMetrics:
                 )
             states += [state for state in found if all(state is not other for other in states)]
         self.probes: list[EngineProbe] = [probe(state) for state in states]
-        self.device = next(iter(self.probes[0].buckets)).bucket.device if self.probes[0].buckets else None
+        self.device = next(iter(self.probes[0].dbuffers)).dbuffer.device if self.probes[0].dbuffers else None
         self.steps_total = 0
         self._last_totals = self._totals()
         self._window = dict.fromkeys(_COUNTERS, 0.0)
@@ -174,11 +174,11 @@ class EngineMetrics:
     def memory(self) -> dict[str, float]:
         sharded = sharded_grad = 0
         for p in self.probes:
-            for info in p.buckets:
-                bucket = info.bucket
-                sharded += bucket.sharded.numel() * bucket.sharded.element_size()
-                if bucket.sharded_grad is not None:
-                    sharded_grad += bucket.sharded_grad.numel() * bucket.sharded_grad.element_size()
+            for info in p.dbuffers:
+                dbuffer = info.dbuffer
+                sharded += dbuffer.sharded.numel() * dbuffer.sharded.element_size()
+                if dbuffer.sharded_grad is not None:
+                    sharded_grad += dbuffer.sharded_grad.numel() * dbuffer.sharded_grad.element_size()
         now, peak = process_memory(self.device)
         return {
             "dbuffer_sharded_bytes": sharded,
@@ -194,8 +194,8 @@ class EngineMetrics:
         segment_max = 0
         metrics: dict[str, float] = {}
         for p in self.probes:
-            for info in p.buckets:
-                layout = info.bucket.layout
+            for info in p.dbuffers:
+                layout = info.dbuffer.layout
                 padding += layout.padding
                 numel += layout.total_numel
                 segment_max = max(segment_max, layout.segment_size)
@@ -210,8 +210,8 @@ class EngineMetrics:
     def groups(self) -> Iterable[tuple[str, Any]]:
         """(label, layout) of every DBuffer."""
         for p in self.probes:
-            for info in p.buckets:
-                yield info.label, info.bucket.layout
+            for info in p.dbuffers:
+                yield info.label, info.dbuffer.layout
 
     def totals(self) -> dict[str, float]:
         """Cumulative counters since the module was sharded (for Prometheus counters)."""
@@ -239,7 +239,7 @@ class RaggedFSDPMetrics(_Callback):  # type: ignore[misc,valid-type]
     Args:
         log_every_n_steps: defaults to the Trainer's ``log_every_n_steps``.
         per_group: also log padding ratio and segment size of every group.
-        count_copies_every_n_steps: run :class:`~lightning_ragged.copy_accounting.CopyCounter`
+        count_copies_every_n_steps: run :class:`~lightning_ragged.observability.copy_counter.CopyCounter`
             over one whole training step every n steps (slow on that step; 0: off).
         monitor_port: serve ``GET /health`` and ``GET /metrics`` on rank 0 at this port
             (0: any free port, see ``monitor.port``); ``None``: no endpoint.
@@ -302,7 +302,7 @@ class RaggedFSDPMetrics(_Callback):  # type: ignore[misc,valid-type]
         self.metrics.set_step(trainer.global_step)
         self._last_global_step = trainer.global_step
         if self.monitor_port is not None:
-            from lightning_ragged.monitor import Monitor
+            from lightning_ragged.observability.monitor import Monitor
 
             self.monitor = Monitor(
                 self.metrics,

@@ -6,7 +6,7 @@ The recipe (docs/operations.md, "Elastic resize")::
         --rdzv-backend=c10d --rdzv-endpoint=HOST:29400 --rdzv-id=JOB train.py
 
     # train.py
-    from lightning_ragged.elastic import newest_checkpoint, torchrun_world
+    from lightning_ragged.lightning.elastic import newest_checkpoint, torchrun_world
     trainer = Trainer(strategy=RaggedFSDPStrategy(timeout=timedelta(minutes=5)), **torchrun_world(),
                       callbacks=[ModelCheckpoint(dirpath=CKPT, save_last=True, every_n_train_steps=200)])
     trainer.fit(model, ckpt_path=newest_checkpoint(CKPT))   # None on the first start: from scratch
@@ -37,10 +37,10 @@ import warnings
 from pathlib import Path
 from typing import Mapping, Optional, Union
 
-from lightning_ragged.checkpoint import OLD_PREFIX, TMP_PREFIX, CheckpointError, inspect_checkpoint
+from lightning_ragged.checkpoint.core import OLD_PREFIX, TMP_PREFIX, CheckpointError, inspect_checkpoint
 
 try:  # hidden, complete versions of link publishing (atomic_dir.py), where the filesystem cannot exchange names
-    from lightning_ragged.atomic_dir import VERSION_PREFIX
+    from lightning_ragged.checkpoint.atomic_dir import VERSION_PREFIX
 except ImportError:  # pragma: no cover - older layouts
     VERSION_PREFIX = None
 HIDDEN_PREFIXES = tuple(prefix for prefix in (TMP_PREFIX, OLD_PREFIX, VERSION_PREFIX) if prefix)

@@ -5,7 +5,7 @@ A save is collective: a barrier before the shards are written, DCP's planning
 results), a barrier after. A frozen or stalled peer leaves the others waiting there until
 the process group's timeout, and the backend then raises a bare "Timed out waiting
 3000ms". :func:`translating` turns that into :class:`CheckpointTimeoutError`, a
-:class:`~lightning_ragged.diagnostics.CollectiveTimeoutError` that names the checkpoint's
+:class:`~lightning_ragged.observability.diagnostics.CollectiveTimeoutError` that names the checkpoint's
 path, the collective (ours; inside DCP, its step and the ``torch.distributed`` call) and
 the ranks that did not arrive -- found as the engine finds them (``diagnostics``: every
 rank that gives up records its arrival in the store and waits a grace period for the
@@ -29,8 +29,8 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
-from lightning_ragged import diagnostics
-from lightning_ragged.diagnostics import CollectiveTimeoutError
+from lightning_ragged.observability import diagnostics
+from lightning_ragged.observability.diagnostics import CollectiveTimeoutError
 
 
 class CheckpointTimeoutError(CollectiveTimeoutError):

@@ -17,7 +17,7 @@ from typing import Iterable, Sequence, Type, Union
 import torch
 from torch import nn
 
-from lightning_ragged.errors import DBufferAlignmentError
+from lightning_ragged.layout.errors import DBufferAlignmentError
 
 GroupSpec = Union[Type[nn.Module], nn.Module]
 
@@ -155,11 +155,11 @@ def plan_groups(
     return [plan for plan in groups if plan.runs or plan.module is None]
 
 
-def split_into_buckets(
+def split_into_dbuffers(
     params: list[tuple[str, nn.Parameter]], dbuffer_size: int
 ) -> list[list[tuple[str, nn.Parameter]]]:
     """Consecutive runs of same-dtype parameters whose bytes fit in ``dbuffer_size``."""
-    buckets: list[list[tuple[str, nn.Parameter]]] = []
+    dbuffers: list[list[tuple[str, nn.Parameter]]] = []
     current: list[tuple[str, nn.Parameter]] = []
     current_bytes = 0
     for name, param in params:
@@ -170,13 +170,13 @@ def split_into_buckets(
                 f"raise dbuffer_size to at least {size} bytes"
             )
         if current and (current_bytes + size > dbuffer_size or current[0][1].dtype != param.dtype):
-            buckets.append(current)
+            dbuffers.append(current)
             current, current_bytes = [], 0
         current.append((name, param))
         current_bytes += size
     if current:
-        buckets.append(current)
-    return buckets
+        dbuffers.append(current)
+    return dbuffers
 
 
 def _check_dbuffer_size(dbuffer_size: int) -> None:

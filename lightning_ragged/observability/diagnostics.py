@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 if TYPE_CHECKING:
-    from lightning_ragged.probes import BucketInfo, EngineProbe
+    from lightning_ragged.observability.probes import DBufferInfo, EngineProbe
 
 ARRIVAL_GRACE_S = 5.0
 """Longest wait for the other ranks' arrival records after a timeout."""
@@ -148,7 +148,7 @@ def is_out_of_memory(error: BaseException) -> bool:
     )
 
 
-def translate(error: BaseException, probe: "EngineProbe", info: "BucketInfo", collective: str) -> BaseException:
+def translate(error: BaseException, probe: "EngineProbe", info: "DBufferInfo", collective: str) -> BaseException:
     """The named error for ``error`` raised in ``collective`` of ``info``'s group, or ``error`` itself."""
     if isinstance(error, (CollectiveTimeoutError, UnshardOutOfMemoryError)):
         return error
@@ -169,14 +169,14 @@ def _human(nbytes: float) -> str:
     return f"{nbytes} B"
 
 
-def _out_of_memory(error: BaseException, probe: "EngineProbe", info: "BucketInfo", what: str) -> BaseException:
-    bucket = info.bucket
+def _out_of_memory(error: BaseException, probe: "EngineProbe", info: "DBufferInfo", what: str) -> BaseException:
+    dbuffer = info.dbuffer
     kind = "full parameter buffer (all-gather target)" if what == "all_gather" else "full gradient buffer"
-    layout = bucket.layout
+    layout = dbuffer.layout
     message = (
         f"out of memory while unsharding FSDP group {info.label!r}: its {kind} needs "
         f"{_human(info.unsharded_bytes)} ({layout.world_size} ranks x segment {layout.segment_size:,} elements "
-        f"x {bucket.param_dtype}); {_human(probe.unsharded_bytes)} of full parameters and "
+        f"x {dbuffer.param_dtype}); {_human(probe.unsharded_bytes)} of full parameters and "
         f"{_human(probe.grad_bytes)} of full gradients were already allocated, at step {probe.step}. "
         "To shrink it: lower `dbuffer_size` (fully_shard / RaggedFSDPStrategy; a group is split into DBuffers "
         "of at most that many bytes) or shard at a finer `group_modules`; keep `reshard_after_forward=True` "
@@ -187,16 +187,16 @@ def _out_of_memory(error: BaseException, probe: "EngineProbe", info: "BucketInfo
     return UnshardOutOfMemoryError(message, group=info.label, buffer_bytes=info.unsharded_bytes)
 
 
-def _timeout(error: BaseException, probe: "EngineProbe", info: "BucketInfo", collective: str) -> BaseException:
-    bucket = info.bucket
-    process_group = bucket.shard_group
+def _timeout(error: BaseException, probe: "EngineProbe", info: "DBufferInfo", collective: str) -> BaseException:
+    dbuffer = info.dbuffer
+    process_group = dbuffer.process_group
     members = _global_ranks(process_group)
-    sequence = probe.pending_sequence(bucket, "all_gather" if collective == "all_gather" else collective)
+    sequence = probe.pending_sequence(dbuffer, "all_gather" if collective == "all_gather" else collective)
     timeout = probe.collective_timeout
     if timeout is None:
         match = _MILLISECONDS.search(str(error))
         timeout = int(match.group(1)) / 1000 if match else None
-    arrived, store_error = _arrival_census(probe.group_key(bucket), sequence, members, timeout)
+    arrived, store_error = _arrival_census(probe.group_key(dbuffer), sequence, members, timeout)
     if arrived is None:
         missing_text = "unknown (no torch.distributed store to compare notes)"
         if store_error is not None:
@@ -401,12 +401,12 @@ def _connection_event(text: str) -> str:
     return "connection closed"
 
 
-def _peer_lost(error: BaseException, probe: "EngineProbe", info: "BucketInfo", collective: str) -> BaseException:
+def _peer_lost(error: BaseException, probe: "EngineProbe", info: "DBufferInfo", collective: str) -> BaseException:
     failed_at = time.time()
     seconds_in_call = getattr(probe, "seconds_in_call", None)
-    bucket = info.bucket
-    members = _global_ranks(bucket.shard_group)
-    sequence = probe.pending_sequence(bucket, "all_gather" if collective == "all_gather" else collective)
+    dbuffer = info.dbuffer
+    members = _global_ranks(dbuffer.process_group)
+    sequence = probe.pending_sequence(dbuffer, "all_gather" if collective == "all_gather" else collective)
     timeout = probe.collective_timeout
     if timeout is None:
         match = _MILLISECONDS.search(str(error))
@@ -415,7 +415,7 @@ def _peer_lost(error: BaseException, probe: "EngineProbe", info: "BucketInfo", c
     event = _connection_event(str(error))
     me = dist.get_rank()
     record = {"time": failed_at, "collective": collective, "sequence": sequence, "step": probe.step, "event": event}
-    answered, store_error = _lost_census(probe.group_key(bucket), members, record, timeout)
+    answered, store_error = _lost_census(probe.group_key(dbuffer), members, record, timeout)
     grace = _grace(timeout)
     store_lost = store_error is not None and (answered is None or len(answered) <= 1)
     closed_at = failed_at

@@ -1,0 +1,1 @@
+"""Layout: tensor specs, the structure-aware planner, granularity policies and RaggedShard. Pure: no torch.distributed."""

@@ -1,0 +1,1 @@
+"""Observability: engine metrics, collective diagnostics, the health/metrics endpoint and the copy counter."""

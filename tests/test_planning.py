@@ -16,9 +16,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lightning_ragged.layout import planner as planning
+from lightning_ragged.layout import search
 from lightning_ragged.layout.errors import DBufferAlignmentError, RaggedShardBoundaryViolation
-from lightning_ragged.layout.planner import TensorSpec, earliest_offset, manual_layout, plan, segment_lower_bound
+from lightning_ragged.layout.packing import earliest_offset, segment_lower_bound
+from lightning_ragged.layout.planner import manual_layout, plan
+from lightning_ragged.layout.spec import TensorSpec
 
 ALGORITHMS = ("greedy", "optimal")
 
@@ -291,7 +293,7 @@ def test_optimal_matches_brute_force_on_small_groups():
 
 def test_heuristic_orders_alone_are_near_optimal(monkeypatch):
     """The path large groups take (no exhaustive search) still finds the optimum on most small groups."""
-    monkeypatch.setattr(planning, "_EXHAUSTIVE_STATES", 0)
+    monkeypatch.setattr(search, "_EXHAUSTIVE_STATES", 0)
     _check_against_brute_force(f"orders-only heuristic vs exact on {SAMPLES} groups", MAX_HEURISTIC_MISS_RATE)
 
 
@@ -304,7 +306,7 @@ def test_optimal_matches_brute_force_at_each_alignment(alignment):
 
 @pytest.mark.parametrize("alignment", [1, 2, 4, 8])
 def test_heuristic_orders_alone_are_near_optimal_at_each_alignment(alignment, monkeypatch):
-    monkeypatch.setattr(planning, "_EXHAUSTIVE_STATES", 0)
+    monkeypatch.setattr(search, "_EXHAUSTIVE_STATES", 0)
     label = f"alignment {alignment}: orders-only heuristic vs exact on {SAMPLES} groups"
     _check_against_brute_force(label, MAX_HEURISTIC_MISS_RATE, (alignment,))
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_ragged.observability import diagnostics
+from lightning_ragged.engine import collective_errors
 ROOT = Path(__file__).resolve().parent.parent
 JOB = ROOT / "tests" / "diagnostics_job.py"
 WORLD = 3
@@ -40,14 +40,14 @@ GLOO_TIMEOUT = "[/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:
 
 @pytest.mark.parametrize("text", [GLOO_RESET, GLOO_CLOSED, "Write error: Broken pipe", "NCCL error: ncclRemoteError"])
 def test_connection_errors_are_peer_loss_not_timeouts(text):
-    assert diagnostics.is_peer_lost(RuntimeError(text))
-    assert not diagnostics.is_timeout(RuntimeError(text))
+    assert collective_errors.is_peer_lost(RuntimeError(text))
+    assert not collective_errors.is_timeout(RuntimeError(text))
 
 
 def test_a_real_timeout_is_still_a_timeout():
-    assert diagnostics.is_timeout(RuntimeError(GLOO_TIMEOUT))
-    assert not diagnostics.is_peer_lost(RuntimeError(GLOO_TIMEOUT))
-    assert issubclass(diagnostics.PeerLostError, diagnostics.CollectiveTimeoutError)  # old handlers still catch it
+    assert collective_errors.is_timeout(RuntimeError(GLOO_TIMEOUT))
+    assert not collective_errors.is_peer_lost(RuntimeError(GLOO_TIMEOUT))
+    assert issubclass(collective_errors.PeerLostError, collective_errors.CollectiveTimeoutError)  # old handlers still catch it
 
 
 # ------------------------------------------------------------------------ real processes

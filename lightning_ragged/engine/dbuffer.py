@@ -19,59 +19,25 @@ gradient buffer and is never reduced; that is decided at every backward from the
 parameters' current flags, so ``requires_grad_`` between steps takes effect at the next one.
 Gradients follow DDP: a parameter no rank used in a backward keeps ``grad is None``;
 ``no_sync`` micro-batches accumulate in the reduce dtype.
+
+The collective calls themselves are in ``collectives.py``. Observers (``events.py``) in
+``observers`` hear of every all-gather, reduction and buffer (de)allocation.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_ragged.layout.planner import Layout
+from lightning_ragged.engine import collectives
+from lightning_ragged.engine.collectives import REDUCE_MODES, CommStats, PendingCollective, default_reduce_mode
+from lightning_ragged.engine.events import DBufferObserver, EventKind, notify, observed
+from lightning_ragged.layout.spec import Layout
 from lightning_ragged.layout.ragged_shard import RaggedShard
-
-REDUCE_MODES = ("all_reduce", "reduce_scatter")
-
-
-@dataclass
-class CommStats:
-    """Collectives issued by the engine: counts, bytes on the wire per rank, and time."""
-
-    all_gathers: int = 0
-    all_gather_bytes: int = 0
-    all_gather_seconds: float = 0.0
-    reduces: int = 0
-    reduce_bytes: int = 0
-    reduce_seconds: float = 0.0
-    flag_syncs: int = 0
-    """Small all-reduces of "which parameters got a gradient" (one per synchronized backward)."""
-
-    def reset(self) -> None:
-        self.__init__()
-
-
-def default_reduce_mode(group: dist.ProcessGroup | None) -> str:
-    """gloo's reduce-scatter is an all-reduce plus copies, so all-reduce in place is cheaper there."""
-    return "all_reduce" if dist.get_backend(group) == "gloo" else "reduce_scatter"
-
-
-class _PendingCollective:
-    """An issued collective and the tensors that must stay alive until it finishes."""
-
-    def __init__(self, work: dist.Work | None, started: float, *keep_alive: torch.Tensor) -> None:
-        self.work = work
-        self.started = started
-        self.keep_alive = keep_alive
-
-    def wait(self) -> float:
-        if self.work is not None:
-            self.work.wait()
-        return time.perf_counter() - self.started
-
 
 class DBuffer:
     """Flat sharded/unsharded/gradient storage for one group of parameters."""
@@ -100,6 +66,8 @@ class DBuffer:
         if self.reduce_mode not in REDUCE_MODES:
             raise ValueError(f"reduce_mode={reduce_mode!r} is not supported; use one of {REDUCE_MODES}")
         self.stats = stats if stats is not None else CommStats()
+        self.observers: list[DBufferObserver] = []
+        """Told of collectives and buffer (de)allocations (``events.py``); append to subscribe."""
         first = params[0][1]
         self.device = first.device if device is None else torch.device(device)
         if self.device.type == "meta":
@@ -155,18 +123,28 @@ class DBuffer:
                 self._unsharded_grad_views[name] = self.unsharded_grad[full].view(param.shape)
         _free(self.unsharded)
         _free(self.unsharded_grad)
-        self._pending_unshard: _PendingCollective | None = None
-        self._pending_reduce: _PendingCollective | None = None
+        self._pending_unshard: PendingCollective | None = None
+        self._pending_reduce: PendingCollective | None = None
 
     # ----------------------------------------------------------------- unshard
     @property
     def is_unsharded(self) -> bool:
         return _is_allocated(self.unsharded)
 
+    @property
+    def unshard_pending(self) -> bool:
+        """An all-gather was issued and not waited for yet."""
+        return self._pending_unshard is not None
+
     def unshard(self, async_op: bool = False) -> None:
         """All-gather every rank's segment straight into the unsharded buffer (the parameters' storage)."""
         if self.is_unsharded:
             return
+        observed(self, EventKind.UNSHARD_ISSUED, "all_gather", self._issue_unshard, async_op)
+        if not async_op:
+            self.wait_unshard()
+
+    def _issue_unshard(self, async_op: bool) -> None:
         started = time.perf_counter()
         _allocate(self.unsharded, self._unsharded_bytes)
         if self._partial is not None:  # kept by reshard_after_forward=int: gather inside the smaller group
@@ -174,23 +152,32 @@ class DBuffer:
         else:
             source = self.sharded if self.param_dtype == self.master_dtype else self.sharded.to(self.param_dtype)
             group = self.process_group
-        work = dist.all_gather_single(self._gather_target, source, group=group, async_op=async_op)
+        pending = collectives.all_gather(self._gather_target, source, group, async_op, started)
         self.stats.all_gathers += 1
         self.stats.all_gather_bytes += self.unsharded.numel() * self.unsharded.element_size()
-        self._pending_unshard = _PendingCollective(work, started, source)
-        if not async_op:
-            self.wait_unshard()
+        self._pending_unshard = pending
 
     def wait_unshard(self) -> None:
-        if self._pending_unshard is not None:
-            self.stats.all_gather_seconds += self._pending_unshard.wait()
-            self._pending_unshard = None
+        if self._pending_unshard is None:
+            return
+        observed(self, EventKind.UNSHARD_WAITED, "all_gather", self._wait_unshard)
+
+    def _wait_unshard(self) -> None:
+        self.stats.all_gather_seconds += self._pending_unshard.wait()
+        self._pending_unshard = None
 
     def reshard(self) -> None:
         """Free the unsharded buffer (and a kept part of it); the parameter views stay valid for the next unshard."""
         self.wait_unshard()
         self._partial = None
-        _free(self.unsharded)
+        self._free_unsharded()
+
+    def _free_unsharded(self) -> None:
+        storage = self.unsharded.untyped_storage()
+        if storage.nbytes() > 0:
+            storage.resize_(0)
+            if self.observers:
+                notify(self, EventKind.RESHARDED)
 
     def set_partial_group(self, group: dist.ProcessGroup, size: int) -> None:
         """``reshard_after_forward=size``: after forward keep 1/size of the buffer, re-gathered inside ``group``."""
@@ -211,7 +198,7 @@ class DBuffer:
         chunk = self.unsharded.numel() // self._partial_size
         index = dist.get_rank(self._partial_group)
         self._partial = self.unsharded[index * chunk : (index + 1) * chunk].clone()
-        _free(self.unsharded)
+        self._free_unsharded()
 
     # --------------------------------------------------------------- gradients
     @property
@@ -243,6 +230,9 @@ class DBuffer:
         """Allocate and zero the gradient buffer once, and point every trainable ``param.grad`` into it."""
         if self.has_unsharded_grad or not self.trainable:
             return
+        observed(self, EventKind.GRAD_BUFFER_ALLOCATED, None, self._allocate_grad)
+
+    def _allocate_grad(self) -> None:
         _allocate(self.unsharded_grad, self._unsharded_bytes)
         self.unsharded_grad.zero_()
         for name, param in self.unsharded_params.items():
@@ -290,6 +280,11 @@ class DBuffer:
 
     def reduce_grad(self, async_op: bool = True) -> None:
         """Sum the flat gradient buffer over the shard group, in place (all-reduce) or into S (reduce-scatter)."""
+        observed(self, EventKind.REDUCE_ISSUED, self.reduce_mode, self._issue_reduce, async_op)
+        if not async_op:
+            self.finish_reduce()
+
+    def _issue_reduce(self, async_op: bool) -> None:
         started = time.perf_counter()
         if self.reduce_dtype == self.param_dtype:
             full = self.unsharded_grad
@@ -301,17 +296,10 @@ class DBuffer:
                 if self.has_unsharded_grad:
                     full.add_(self.unsharded_grad)
             self.free_unsharded_grad()
-        if self.reduce_mode == "all_reduce":
-            work = dist.all_reduce(full, group=self.process_group, async_op=async_op)
-            own_segment = full[self.segment]
-        else:
-            own_segment = torch.empty(self.layout.segment_size, dtype=self.reduce_dtype, device=self.device)
-            work = dist.reduce_scatter_single(own_segment, full, group=self.process_group, async_op=async_op)
+        pending = collectives.reduce(full, self.reduce_mode, self.process_group, self.segment, async_op, started)
         self.stats.reduces += 1
         self.stats.reduce_bytes += full.numel() * full.element_size()
-        self._pending_reduce = _PendingCollective(work, started, full, own_segment)
-        if not async_op:
-            self.finish_reduce()
+        self._pending_reduce = pending
 
     @property
     def reduce_pending(self) -> bool:
@@ -319,15 +307,18 @@ class DBuffer:
 
     def finish_reduce(self) -> None:
         """Wait for the reduction and write this rank's averaged segment into the sharded gradients."""
-        pending = self._pending_reduce
-        if pending is None:
+        if self._pending_reduce is None:
             return
+        observed(self, EventKind.REDUCE_WAITED, self.reduce_mode, self._finish_reduce)
+
+    def _finish_reduce(self) -> None:
+        pending = self._pending_reduce
         self._pending_reduce = None
         self.stats.reduce_seconds += pending.wait()
         own_segment = pending.keep_alive[1]
         divisor = self.world_size
         if self.replicate_group is not None:
-            dist.all_reduce(own_segment, group=self.replicate_group)
+            collectives.all_reduce(own_segment, self.replicate_group)
             divisor *= dist.get_world_size(self.replicate_group)
         self._accumulate_sharded_grad(own_segment, 1.0 / divisor)
         self.free_unsharded_grad()
@@ -386,7 +377,7 @@ class DBuffer:
         self._awaiting.clear()
         self._used.clear()
         self.free_unsharded_grad()
-        _free(self.unsharded)
+        self._free_unsharded()
 
     def release_unused_sharded_grad(self) -> None:
         """Drop the persistent gradient segment while no parameter points into it.
@@ -401,13 +392,17 @@ class DBuffer:
         """Detach the parameters' gradients from the buffer and free it."""
         for param in self.unsharded_params.values():
             param.grad = None
-        _free(self.unsharded_grad)
+        storage = self.unsharded_grad.untyped_storage()
+        if storage.nbytes() > 0:
+            storage.resize_(0)
+            if self.observers:
+                notify(self, EventKind.GRAD_BUFFER_FREED)
 
     # ------------------------------------------------------------- full views
     def gather_full(self) -> dict[str, torch.Tensor]:
         """Full, original-shape copies of every parameter in master dtype (for state dicts)."""
         full = torch.empty(self.world_size * self.layout.segment_size, dtype=self.master_dtype, device=self.device)
-        dist.all_gather_single(full, self.sharded, group=self.process_group)
+        collectives.all_gather(full, self.sharded, self.process_group)
         out = {}
         for name, param in self.unsharded_params.items():
             begin = self.layout.offsets[name]
@@ -419,8 +414,7 @@ class DBuffer:
         with torch.no_grad():
             for name, tensor in tensors.items():
                 param = self.sharded_params[name]
-                start, end = param.ragged_shard.local_range
-                param.copy_(tensor.reshape(-1)[start:end])
+                param.copy_(param.ragged_shard.local_part(tensor))
 
 
 def _is_allocated(tensor: torch.Tensor) -> bool:

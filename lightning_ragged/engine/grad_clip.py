@@ -1,11 +1,12 @@
 """Gradient clipping on ragged shards: the true global norm, computed on the flat buffers.
 
 Each rank holds the reduced gradient of its own segment only, so a local
-``torch.nn.utils.clip_grad_norm_`` would clip by a *local* norm. Here every rank sums
-``|g|^p`` over its sharded gradient buffers (one flat op per DBuffer, padding is zero),
-the sums are all-reduced over the **shard group only** — under HSDP the replicas hold
-identical shards, so reducing over them too would count every element ``r`` times —
-and the clip coefficient scales the flat buffers in place.
+``torch.nn.utils.clip_grad_norm_`` would clip by a *local* norm. Here every rank takes
+``torch.nn.utils.get_total_norm`` of its sharded gradients (one flat buffer per DBuffer,
+padding is zero), and the p-th powers (the maxima for the inf-norm) are all-reduced once
+per **shard group only** — under HSDP the replicas hold identical shards, so reducing
+over them too would count every element ``r`` times; ``torch.nn.utils.clip_grads_with_norm_``
+then scales the gradients by the global norm.
 
 Works for plain ``fully_shard`` users as for the Lightning strategy::
 
@@ -37,24 +38,25 @@ def clip_grad_norm_(
 ) -> torch.Tensor:
     """Scale gradients so that their global ``norm_type``-norm is at most ``max_norm``.
 
-    ``parameters`` is a module sharded by ``fully_shard`` (fast path: one norm and one
-    scale per DBuffer's flat gradient) or an iterable of parameters (sharded ones carry
+    ``parameters`` is a module sharded by ``fully_shard`` (fast path: the norm of each
+    DBuffer's flat gradient) or an iterable of parameters (sharded ones carry
     ``param.ragged_shard``; parameters without it are treated as replicated on every
     rank). Returns the total norm (fp32), the same on every rank, like
     ``torch.nn.utils.clip_grad_norm_``. Collective: call it on every rank.
     """
     norm_type = float(norm_type)
-    groups = _grads_by_group(parameters)
-    total = _total_norm(groups, norm_type)
+    if isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
+    elif not isinstance(parameters, nn.Module):
+        parameters = list(parameters)  # read twice: the norm, then the scaling
+    params = _with_grads(parameters)
+    total = _total_norm(_grads_by_group(parameters), norm_type)
     if error_if_nonfinite and not torch.isfinite(total):
         raise RuntimeError(
             f"the total norm of order {norm_type} of the gradients is non-finite ({total.item()}); "
             "pass error_if_nonfinite=False to clip anyway"
         )
-    coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    for grads in groups.values():
-        for grad in grads:
-            grad.mul_(coefficient.to(grad.dtype))
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
     return total
 
 
@@ -66,20 +68,23 @@ def clip_grad_value_(parameters: ParamsOrModule, clip_value: float) -> None:
 
 
 def _total_norm(groups: dict[object, list[torch.Tensor]], norm_type: float) -> torch.Tensor:
-    """Combine per-tensor norms: all-reduce each shard group's part, add the replicated part locally."""
+    """The local norm of each group's gradients, as a p-th power (the maximum for the inf-norm),
+    all-reduced over each shard group (the replicated part counted once, locally), combined."""
     device = next((g.device for grads in groups.values() for g in grads), torch.device("cpu"))
+    infinite = math.isinf(norm_type)
     total = torch.zeros((), dtype=torch.float32, device=device)
     for key, grads in groups.items():
         part = torch.zeros((), dtype=torch.float32, device=device)
         grads = [g for g in grads if g.numel()]  # a rank may hold nothing of a parameter (ragged shards)
         if grads:
-            norms = torch.stack([torch.linalg.vector_norm(g, norm_type, dtype=torch.float32) for g in grads])
-            part = norms.max() if math.isinf(norm_type) else norms.pow(norm_type).sum()
+            part = torch.nn.utils.get_total_norm(grads, norm_type).to(device=device, dtype=torch.float32)
+            if not infinite:
+                part = part.pow(norm_type)
         if key is not _REPLICATED:
-            op = dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
+            op = dist.ReduceOp.MAX if infinite else dist.ReduceOp.SUM
             dist.all_reduce(part, op=op, group=None if key is _WORLD else key)
-        total = torch.maximum(total, part) if math.isinf(norm_type) else total + part
-    return total if math.isinf(norm_type) else total.pow(1.0 / norm_type)
+        total = torch.maximum(total, part) if infinite else total + part
+    return total if infinite else total.pow(1.0 / norm_type)
 
 
 _REPLICATED = object()  # parameters every rank holds whole: counted once, locally
@@ -88,6 +93,13 @@ _WORLD = object()  # sharded over the default process group
 
 def _group_key(process_group: dist.ProcessGroup | None) -> object:
     return _WORLD if process_group is None else process_group
+
+
+def _with_grads(parameters: nn.Module | list[torch.Tensor]) -> list[torch.Tensor]:
+    """The parameters (the shards of a sharded module) that hold a gradient."""
+    if isinstance(parameters, nn.Module):
+        parameters = [p for dbuffer in get_state(parameters).dbuffers() for p in dbuffer.sharded_params.values()]
+    return [p for p in parameters if p.grad is not None]
 
 
 def _grads_by_group(parameters: ParamsOrModule) -> dict[object, list[torch.Tensor]]:

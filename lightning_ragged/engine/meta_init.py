@@ -294,12 +294,15 @@ def _rebuild_buffer(module: nn.Module, attr: str, device: torch.device) -> bool:
 
 
 def _materialize_buffers(module: nn.Module, device: torch.device) -> None:
-    """Give meta buffers real (uninitialized) storage; ``reset_parameters`` must fill them."""
+    """Give meta buffers real (uninitialized) storage; ``reset_parameters`` must fill them.
+
+    Not ``Module.to_empty``: it would also replace the (real) shards, breaking their views
+    into the DBuffers, and empty the buffers that are not on the meta device.
+    """
     for sub in module.modules():
         for attr, buffer in list(sub._buffers.items()):
             if buffer is not None and buffer.is_meta:
                 sub._buffers[attr] = torch.empty_like(buffer, device=device)
-                setattr(sub, "_ragged_meta_buffer_" + attr, True)
 
 
 def _open_group(group: ShardGroup) -> dict[tuple[int, str], torch.Tensor]:
@@ -314,7 +317,7 @@ def _open_group(group: ShardGroup) -> dict[tuple[int, str], torch.Tensor]:
                 full[begin : begin + param.numel()].view(param.shape), requires_grad=param.requires_grad
             )
         views[(id(dbuffer), "")] = full
-    group._swap(lambda dbuffer, name: views[(id(dbuffer), name)])
+    group.point_slots_at(lambda dbuffer, name: views[(id(dbuffer), name)])
     return views
 
 

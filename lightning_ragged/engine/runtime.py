@@ -27,11 +27,12 @@ from __future__ import annotations
 from typing import Any, Iterator
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from lightning_ragged.engine.dbuffer import CommStats, DBuffer
+from lightning_ragged.engine import collectives
+from lightning_ragged.engine.collectives import CommStats
+from lightning_ragged.engine.dbuffer import DBuffer
 from lightning_ragged.engine.shard_group import ShardGroup
 
 
@@ -287,13 +288,12 @@ class RaggedFSDPState:
         """One small all-reduce: a parameter that received no gradient on any rank keeps ``grad is None``."""
         flags = [flag for dbuffer in self._reduced for flag in dbuffer.used_flags()]
         counts = torch.tensor(flags, dtype=torch.int32)
-        process_group = self._reduced[0].process_group
-        work = dist.all_reduce(counts, group=process_group, async_op=True)
+        pending = collectives.all_reduce(counts, self._reduced[0].process_group, async_op=True)
         replicate = self._reduced[0].replicate_group
         self._finish_in_flight()
-        work.wait()
+        pending.wait()
         if replicate is not None:
-            dist.all_reduce(counts, group=replicate)
+            collectives.all_reduce(counts, replicate)
         self.stats.flag_syncs += 1
         used = counts.tolist()
         for dbuffer in self._reduced:

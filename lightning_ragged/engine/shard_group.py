@@ -70,7 +70,7 @@ class ShardGroup:
         """Unshard (waiting for a prefetch if one is in flight) and point the modules at full parameters."""
         self.unshard()
         self.wait_unshard()
-        self._swap(lambda dbuffer, name: dbuffer.unsharded_params[name])
+        self.point_slots_at(lambda dbuffer, name: dbuffer.unsharded_params[name])
 
     def reshard(self) -> None:
         """Free the full parameters and point the modules back at the shards."""
@@ -90,9 +90,10 @@ class ShardGroup:
         self.use_sharded()
 
     def use_sharded(self) -> None:
-        self._swap(lambda dbuffer, name: dbuffer.sharded_params[name])
+        self.point_slots_at(lambda dbuffer, name: dbuffer.sharded_params[name])
 
-    def _swap(self, pick: Callable[[DBuffer, str], nn.Parameter]) -> None:
+    def point_slots_at(self, pick: Callable[[DBuffer, str], nn.Parameter]) -> None:
+        """Set every module slot of this group to ``pick(dbuffer, name)`` (shards, full views, or other tensors)."""
         for module, attr, dbuffer, name in self.slots:
             module._parameters[attr] = pick(dbuffer, name)
 

@@ -1,14 +1,14 @@
 """Probes on the engine's DBuffers: time blocked in collectives, buffer memory, engine copies, diagnostics.
 
-``probe(module)`` wraps, once per sharded module, the collective and allocation methods
-of every DBuffer with thin instance-level wrappers (the engine files are not changed).
-Each wrapper costs two ``perf_counter`` calls and a few integer updates; exceptions cost
-nothing until one is raised. A wrapper
+``probe(module)`` subscribes, once per sharded module, an observer to every DBuffer
+(``engine/events.py``); the engine tells it of each all-gather and reduction (issued,
+waited for) and each full or gradient buffer allocated or freed. Each event costs a few
+integer updates; exceptions cost nothing until one is raised. From the events the probe
 
-* adds the time the training thread spent *inside* the call (issuing a collective or
-  waiting for it) to ``blocked_*_seconds``; nested calls (``unshard`` waiting on itself)
-  count once. ``CommStats`` has the in-flight time (issue to completion), so the share of
-  communication hidden behind compute is ``1 - blocked / in_flight``;
+* adds the time the training thread spent *inside* the calls (issuing a collective or
+  waiting for it) to ``blocked_*_seconds``. ``CommStats`` has the in-flight time (issue
+  to completion), so the share of communication hidden behind compute is
+  ``1 - blocked / in_flight``;
 * tracks the bytes of unsharded parameter and gradient buffers alive right now and their
   peak (``reset_peaks`` starts a new window);
 * counts the bytes the engine itself copies outside the collectives (the mixed-precision
@@ -20,25 +20,17 @@ nothing until one is raised. A wrapper
 from __future__ import annotations
 
 import itertools
-import time
-from typing import Any, Callable, Iterator
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_ragged.engine.dbuffer import DBuffer
 from lightning_ragged.engine.api import RaggedFSDPState, get_state
+from lightning_ragged.engine.dbuffer import DBuffer
+from lightning_ragged.engine.events import DBufferEvent, EventKind
+from lightning_ragged.observability import diagnostics
 
-_WRAPPED = (
-    "unshard",
-    "wait_unshard",
-    "reshard",
-    "reduce_grad",
-    "finish_reduce",
-    "prepare_unsharded_grad",
-    "free_unsharded_grad",
-)
 _instances = itertools.count()
 
 
@@ -61,8 +53,21 @@ class DBufferInfo:
         )
 
 
+class _Subscription:
+    """The observer subscribed to one DBuffer: hands its events to the probe with that buffer's info."""
+
+    __slots__ = ("probe", "info")
+
+    def __init__(self, probe: "EngineProbe", info: DBufferInfo) -> None:
+        self.probe = probe
+        self.info = info
+
+    def on_event(self, event: DBufferEvent) -> BaseException | None:
+        return self.probe.on_event(self.info, event)
+
+
 class EngineProbe:
-    """Cumulative counters of one sharded module, fed by the DBuffer wrappers."""
+    """Cumulative counters of one sharded module, fed by its DBuffers' events."""
 
     def __init__(self, state: RaggedFSDPState) -> None:
         self.state = state
@@ -82,13 +87,12 @@ class EngineProbe:
         self.collective_timeout: float | None = None
         """Seconds, when known (the strategy's timeout); otherwise read from the backend's error."""
         self.diagnostics = True
-        self._depth = 0
         self._sequence: dict[str, int] = {}
         self._pending_sequence: dict[tuple[int, str], int] = {}
         self._instance = next(_instances)
-        self._originals: list[tuple[DBuffer, str, bool, Any]] = []
-        for info in self.dbuffers:
-            self._install(info)
+        self._subscriptions = [_Subscription(self, info) for info in self.dbuffers]
+        for subscription in self._subscriptions:
+            subscription.info.dbuffer.observers.append(subscription)
 
     # ------------------------------------------------------------ counters
     def reset_peaks(self) -> None:
@@ -108,152 +112,86 @@ class EngineProbe:
         self._pending_sequence[(id(dbuffer), collective)] = number
 
     def pending_sequence(self, dbuffer: DBuffer, collective: str) -> int:
+        """The number (on its process group) of the dbuffer's last ``collective`` issued."""
         return self._pending_sequence.get((id(dbuffer), collective), 0)
 
-    # ------------------------------------------------------------ wrappers
-    def _install(self, info: DBufferInfo) -> None:
-        dbuffer = info.dbuffer
-        for name in _WRAPPED:
-            had_own = name in dbuffer.__dict__
-            original = getattr(dbuffer, name)
-            self._originals.append((dbuffer, name, had_own, dbuffer.__dict__.get(name)))
-            setattr(dbuffer, name, getattr(self, f"_wrap_{name}")(info, original))
-
     def remove(self) -> None:
-        """Restore the DBuffers' own methods."""
-        for dbuffer, name, had_own, previous in reversed(self._originals):
-            if had_own:
-                setattr(dbuffer, name, previous)
-            else:
-                dbuffer.__dict__.pop(name, None)
-        self._originals.clear()
-        if getattr(self.state, "_ragged_probe", None) is self:
-            del self.state._ragged_probe
+        """Unsubscribe from the DBuffers (the engine runs exactly as without a probe)."""
+        for subscription in self._subscriptions:
+            observers = subscription.info.dbuffer.observers
+            if subscription in observers:
+                observers.remove(subscription)
+        self._subscriptions.clear()
 
-    def _fail(self, error: BaseException, info: DBufferInfo, collective: str) -> BaseException:
-        if not self.diagnostics:
-            return error
-        from lightning_ragged.observability import diagnostics
-        return diagnostics.translate(error, self, info, collective)
-
-    def _collective_name(self, dbuffer: DBuffer) -> str:
-        return "all_reduce" if dbuffer.reduce_mode == "all_reduce" else "reduce_scatter"
-
-    def _blocking(self, info: DBufferInfo, collective: str, counter: str, call: Callable, **kwargs: Any) -> None:
-        """``call(**kwargs)``, its time added to ``counter`` unless nested in another wrapped call; errors named."""
-        outer = self._depth == 0
-        self._depth += 1
-        started = time.perf_counter()
-        try:
-            call(**kwargs)
-        except BaseException as error:  # noqa: BLE001 - re-raised, with a name when we recognise it
-            self.seconds_in_call = time.perf_counter() - started  # named in a lost-peer diagnostic
-            raise self._fail(error, info, collective) from error
-        finally:
-            self._depth -= 1
-            if outer:
-                setattr(self, counter, getattr(self, counter) + time.perf_counter() - started)
-
-    def _wrap_unshard(self, info: DBufferInfo, original: Callable) -> Callable:
-        dbuffer = info.dbuffer
-
-        def unshard(async_op: bool = False) -> None:
-            if dbuffer.is_unsharded:
-                return original(async_op=async_op)
-            self._next_sequence(dbuffer, "all_gather")
-            self._blocking(info, "all_gather", "blocked_all_gather_seconds", original, async_op=async_op)
-            self.engine_copy_bytes += info.cast_bytes
-            self.unsharded_bytes += info.unsharded_bytes
-            if self.unsharded_bytes > self.unsharded_peak_bytes:
-                self.unsharded_peak_bytes = self.unsharded_bytes
-
-        return unshard
-
-    def _wrap_wait_unshard(self, info: DBufferInfo, original: Callable) -> Callable:
-        dbuffer = info.dbuffer
-
-        def wait_unshard() -> None:
-            if dbuffer._pending_unshard is None:
-                return original()
-            self._blocking(info, "all_gather", "blocked_all_gather_seconds", original)
-
-        return wait_unshard
-
-    def _wrap_reshard(self, info: DBufferInfo, original: Callable) -> Callable:
-        dbuffer = info.dbuffer
-
-        def reshard() -> None:
-            was = dbuffer.is_unsharded
-            original()
-            if was and not dbuffer.is_unsharded:
-                self.unsharded_bytes -= info.unsharded_bytes
-
-        return reshard
-
-    def _wrap_reduce_grad(self, info: DBufferInfo, original: Callable) -> Callable:
-        dbuffer = info.dbuffer
-
-        def reduce_grad(async_op: bool = True) -> None:
-            collective = self._collective_name(dbuffer)
-            self._next_sequence(dbuffer, collective)
-            self._blocking(info, collective, "blocked_reduce_seconds", original, async_op=async_op)
-            self.engine_copy_bytes += info.reduce_cast_bytes
-
-        return reduce_grad
-
-    def _wrap_finish_reduce(self, info: DBufferInfo, original: Callable) -> Callable:
-        dbuffer = info.dbuffer
-
-        def finish_reduce() -> None:
-            if dbuffer._pending_reduce is None:
-                return original()
-            self._blocking(info, self._collective_name(dbuffer), "blocked_reduce_seconds", original)
-
-        return finish_reduce
-
-    def _wrap_prepare_unsharded_grad(self, info: DBufferInfo, original: Callable) -> Callable:
-        dbuffer = info.dbuffer
-
-        def prepare_unsharded_grad() -> None:
-            was = dbuffer.has_unsharded_grad
-            try:
-                original()
-            except BaseException as error:  # noqa: BLE001
-                raise self._fail(error, info, "gradient buffer") from error
-            if not was and dbuffer.has_unsharded_grad:
+    # -------------------------------------------------------------- events
+    def on_event(self, info: DBufferInfo, event: DBufferEvent) -> BaseException | None:
+        """Count one DBuffer event; for a failed call, the named error to raise instead (or None)."""
+        kind, failed = event.kind, event.error is not None
+        if kind is EventKind.UNSHARD_ISSUED:
+            self._next_sequence(info.dbuffer, "all_gather")
+            self.blocked_all_gather_seconds += event.seconds
+            if not failed:
+                self.engine_copy_bytes += info.cast_bytes
+                self.unsharded_bytes += info.unsharded_bytes
+                if self.unsharded_bytes > self.unsharded_peak_bytes:
+                    self.unsharded_peak_bytes = self.unsharded_bytes
+        elif kind is EventKind.UNSHARD_WAITED:
+            self.blocked_all_gather_seconds += event.seconds
+        elif kind is EventKind.RESHARDED:
+            self.unsharded_bytes -= info.unsharded_bytes
+        elif kind is EventKind.REDUCE_ISSUED:
+            self._next_sequence(info.dbuffer, event.collective)
+            self.blocked_reduce_seconds += event.seconds
+            if not failed:
+                self.engine_copy_bytes += info.reduce_cast_bytes
+        elif kind is EventKind.REDUCE_WAITED:
+            self.blocked_reduce_seconds += event.seconds
+        elif kind is EventKind.GRAD_BUFFER_ALLOCATED:
+            if not failed:
                 self.grad_bytes += info.unsharded_bytes
                 if self.grad_bytes > self.grad_peak_bytes:
                     self.grad_peak_bytes = self.grad_bytes
+        elif kind is EventKind.GRAD_BUFFER_FREED:
+            self.grad_bytes -= info.unsharded_bytes
+        if not failed or not self.diagnostics:
+            return None
+        collective = "gradient buffer" if kind is EventKind.GRAD_BUFFER_ALLOCATED else event.collective
+        return diagnostics.translate(event.error, self._failure(info, collective, event.seconds), collective)
 
-        return prepare_unsharded_grad
-
-    def _wrap_free_unsharded_grad(self, info: DBufferInfo, original: Callable) -> Callable:
-        dbuffer = info.dbuffer
-
-        def free_unsharded_grad() -> None:
-            was = dbuffer.has_unsharded_grad
-            original()
-            if was and not dbuffer.has_unsharded_grad:
-                self.grad_bytes -= info.unsharded_bytes
-
-        return free_unsharded_grad
+    def _failure(self, info: DBufferInfo, collective: str, seconds: float) -> diagnostics.Failure:
+        return diagnostics.Failure(
+            dbuffer=info.dbuffer,
+            label=info.label,
+            buffer_bytes=info.unsharded_bytes,
+            step=self.step,
+            sequence=self.pending_sequence(info.dbuffer, collective),
+            group_key=self.group_key(info.dbuffer),
+            collective_timeout=self.collective_timeout,
+            seconds_in_call=seconds,
+            unsharded_bytes=self.unsharded_bytes,
+            grad_bytes=self.grad_bytes,
+        )
 
 
 def probe(module: nn.Module | RaggedFSDPState) -> EngineProbe:
-    """The probe of a module sharded by ``fully_shard``, installed on first use (idempotent)."""
+    """The probe of a module sharded by ``fully_shard``, subscribed on first use (idempotent)."""
     state = module if isinstance(module, RaggedFSDPState) else get_state(module)
-    existing = getattr(state, "_ragged_probe", None)
-    if existing is None:
-        existing = EngineProbe(state)
-        state._ragged_probe = existing
-    return existing
+    for dbuffer in state.dbuffers():  # subscribed to every DBuffer: the first one tells
+        for observer in dbuffer.observers:
+            if isinstance(observer, _Subscription) and observer.probe.state is state:
+                return observer.probe
+        break
+    return EngineProbe(state)
 
 
 def sharded_states(module: nn.Module) -> Iterator[RaggedFSDPState]:
     """Every engine state in ``module``'s tree (the outermost sharded modules)."""
     seen: set[int] = set()
     for submodule in module.modules():
-        state = getattr(submodule, "_ragged_fsdp_state", None)
-        if state is not None and id(state) not in seen:
+        try:
+            state = get_state(submodule)
+        except ValueError:  # not sharded
+            continue
+        if id(state) not in seen:
             seen.add(id(state))
             yield state

@@ -1,0 +1,94 @@
+"""The engine's collectives: which backend call a DBuffer issues, and waiting for it.
+
+A DBuffer (``dbuffer.py``) owns storage and views; the calls that move that storage
+between ranks are here: the all-gather of the shards into the full buffer, the
+reduction of the flat gradient (all-reduce in place or reduce-scatter into this rank's
+segment, chosen by ``default_reduce_mode``), and the small all-reduces that follow
+(HSDP's replicas, the runtime's "which parameters got a gradient" flags). Issuing one
+returns a :class:`PendingCollective` that keeps its tensors alive until it is waited for.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+REDUCE_MODES = ("all_reduce", "reduce_scatter")
+
+
+@dataclass
+class CommStats:
+    """Collectives issued by the engine: counts, bytes on the wire per rank, and time."""
+
+    all_gathers: int = 0
+    all_gather_bytes: int = 0
+    all_gather_seconds: float = 0.0
+    reduces: int = 0
+    reduce_bytes: int = 0
+    reduce_seconds: float = 0.0
+    flag_syncs: int = 0
+    """Small all-reduces of "which parameters got a gradient" (one per synchronized backward)."""
+
+    def reset(self) -> None:
+        self.__init__()
+
+
+def default_reduce_mode(group: dist.ProcessGroup | None) -> str:
+    """gloo's reduce-scatter is an all-reduce plus copies, so all-reduce in place is cheaper there."""
+    return "all_reduce" if dist.get_backend(group) == "gloo" else "reduce_scatter"
+
+
+class PendingCollective:
+    """An issued collective and the tensors that must stay alive until it finishes."""
+
+    def __init__(self, work: dist.Work | None, started: float, *keep_alive: torch.Tensor) -> None:
+        self.work = work
+        self.started = started
+        self.keep_alive = keep_alive
+
+    def wait(self) -> float:
+        """Block until it finished; the seconds since it was started (its time in flight)."""
+        if self.work is not None:
+            self.work.wait()
+        return time.perf_counter() - self.started
+
+
+def all_gather(
+    target: torch.Tensor,
+    source: torch.Tensor,
+    group: dist.ProcessGroup | None,
+    async_op: bool = False,
+    started: float | None = None,
+) -> PendingCollective:
+    """Gather every member's ``source`` into ``target`` (rank order), in place.
+
+    ``started``: when the caller began (its allocation and cast count as time in flight).
+    """
+    work = dist.all_gather_single(target, source, group=group, async_op=async_op)
+    return PendingCollective(work, time.perf_counter() if started is None else started, source)
+
+
+def reduce(
+    full: torch.Tensor, mode: str, group: dist.ProcessGroup | None, segment: slice, async_op: bool, started: float
+) -> PendingCollective:
+    """Sum ``full`` over ``group``: in place (``all_reduce``) or into this rank's ``segment`` (``reduce_scatter``).
+
+    The pending collective keeps ``(full, own_segment)`` alive; ``own_segment`` holds this
+    rank's summed segment once it finished.
+    """
+    if mode == "all_reduce":
+        work = dist.all_reduce(full, group=group, async_op=async_op)
+        own_segment = full[segment]
+    else:
+        own_segment = torch.empty(segment.stop - segment.start, dtype=full.dtype, device=full.device)
+        work = dist.reduce_scatter_single(own_segment, full, group=group, async_op=async_op)
+    return PendingCollective(work, started, full, own_segment)
+
+
+def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None, async_op: bool = False) -> PendingCollective:
+    """Sum ``tensor`` over ``group`` in place (HSDP's replicas, the runtime's gradient flags)."""
+    work = dist.all_reduce(tensor, group=group, async_op=async_op)
+    return PendingCollective(work, time.perf_counter(), tensor)

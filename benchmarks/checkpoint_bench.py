@@ -7,7 +7,7 @@ Two gloo ranks (one thread each) hold the same GPT (benchmarks/models.py, ~17M p
 and AdamW after one step, sharded two ways:
 
 * **ragged**: ``lightning_ragged.fully_shard`` (row granularity), saved and loaded with
-  ``lightning_ragged.checkpoint.core`` (what ``RaggedFSDPStrategy`` calls): every parameter's
+  ``lightning_ragged.checkpoint`` (what ``RaggedFSDPStrategy`` calls): every parameter's
   ragged range goes to DCP as ``LocalShardsWrapper`` boxes viewing the DBuffer; the save
   is atomic (hidden directory, ``meta.pt`` last, rename).
 * **fsdp2**: ``torch.distributed.fsdp.fully_shard`` per block + root, saved with

@@ -350,6 +350,36 @@ def test_consolidated_file_is_an_ordinary_checkpoint(reshard_root, tmp_path) -> 
     assert main([str(path), str(tmp_path / "out.ckpt")]) == 1  # refuses to overwrite
 
 
+class ScoresByName(dict):
+    """A user's dict subclass: pytree does not walk it (module level so that a trusted load can import it)."""
+
+
+def test_consolidation_refuses_tensors_it_cannot_reach(tmp_path) -> None:
+    """A tensor inside a container pytree does not know would come out of the skip-data write empty:
+    consolidation refuses (a named error, no output file) instead of writing a file that lacks data."""
+    ck.save(tmp_path / "c", make_model(), extra={"scores": ScoresByName(best=torch.ones(2))})
+    with pytest.raises(ck.CheckpointError, match=r"1 tensor\(s\) inside containers consolidation cannot walk"):
+        ck.consolidate(tmp_path / "c", tmp_path / "out.ckpt", trust_checkpoint=True)
+    assert not (tmp_path / "out.ckpt").exists()
+    assert not list(tmp_path.glob(".out.ckpt*"))
+
+
+def test_consolidation_keeps_the_tensors_of_meta_in_any_container(tmp_path) -> None:
+    """Real tensors outside DCP (meta.pt: a callback's best score, ...) survive the skip-data write wherever they sit."""
+    extra = {
+        "best": torch.tensor(0.25),  # 0-D
+        "scores": [torch.arange(3.0), {"inner": (torch.ones(2, 2), 7)}],  # a list holding a dict holding a tuple
+        "by_epoch": {3: torch.full((2,), 5.0)},  # a dict keyed by int
+    }
+    ck.save(tmp_path / "c", make_model(), extra=extra)
+    checkpoint = torch.load(ck.consolidate(tmp_path / "c", tmp_path / "out.ckpt"), weights_only=True)
+    assert torch.equal(checkpoint["best"], extra["best"]) and checkpoint["best"].shape == ()
+    assert torch.equal(checkpoint["scores"][0], extra["scores"][0])
+    inner = checkpoint["scores"][1]["inner"]
+    assert isinstance(inner, tuple) and torch.equal(inner[0], torch.ones(2, 2)) and inner[1] == 7
+    assert torch.equal(checkpoint["by_epoch"][3], extra["by_epoch"][3])
+
+
 # ------------------------------------------------------------------- 0-D parameters
 class ScaledLM(TinyLM):
     """The tiny LM with a learnable 0-D logit scale (a temperature), used in every forward."""

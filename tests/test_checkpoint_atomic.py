@@ -35,9 +35,9 @@ import torch
 import torch.distributed as dist
 
 import lightning_ragged as lr
-from lightning_ragged.checkpoint.core import atomic_dir
 from lightning_ragged import checkpoint as ck
-from lightning_ragged.observability.diagnostics import CollectiveTimeoutError
+from lightning_ragged.checkpoint import atomic_dir
+from lightning_ragged.engine.collective_errors import CollectiveTimeoutError
 from tests.models import lm_loss, make_batches, make_model
 
 STEPS = 3
@@ -229,7 +229,7 @@ def test_an_interrupted_two_rename_publish_loads_the_newest_complete_copy(tmp_pa
     last = tmp_path / "last.ckpt"
     # What the previous publish left when killed between its two renames: no last.ckpt,
     # the previous checkpoint moved aside, the new complete one still hidden.
-    os.replace(one, ck._hidden_sibling(last, ck.OLD_PREFIX))
+    os.replace(one, atomic_dir.hidden_sibling(last, ck.OLD_PREFIX))
     os.replace(two, ck.partial_path(last))
     with pytest.warns(UserWarning, match="loading the newest complete copy"):
         assert ck.load(last, *_fresh_pair())["step"] == 2
@@ -249,12 +249,12 @@ def test_an_interrupted_two_rename_publish_loads_the_newest_complete_copy(tmp_pa
 def test_an_incomplete_hidden_copy_is_never_chosen(tmp_path) -> None:
     one, two = _two_checkpoints(tmp_path)
     last = tmp_path / "last.ckpt"
-    os.replace(one, ck._hidden_sibling(last, ck.OLD_PREFIX))
+    os.replace(one, atomic_dir.hidden_sibling(last, ck.OLD_PREFIX))
     os.replace(two, ck.partial_path(last))
     (ck.partial_path(last) / ck.META_FILENAME).unlink()  # the newer copy is incomplete
     with pytest.warns(UserWarning, match="newest complete copy"):
         assert ck.load(last, *_fresh_pair())["step"] == 1
-    next(ck._hidden_sibling(last, ck.OLD_PREFIX).glob("*.distcp")).unlink()  # and the older one damaged
+    next(atomic_dir.hidden_sibling(last, ck.OLD_PREFIX).glob("*.distcp")).unlink()  # and the older one damaged
     with pytest.raises(ck.MissingCheckpointError, match="no checkpoint at .*last.ckpt.*did not finish"):
         ck.load(last, *_fresh_pair())
 

@@ -23,8 +23,9 @@ import torch.distributed as dist
 
 import lightning_ragged as lr
 from lightning_ragged import checkpoint as ck
-from lightning_ragged.checkpoint.core import checksums
+from lightning_ragged.checkpoint import checksums
 from lightning_ragged.cli.consolidate import main as consolidate_main
+from lightning_ragged.lightning.checkpoint_io import LightningCheckpointIO
 from tests.models import lm_loss, make_batches, make_model
 
 CORRUPT = b"\xff" * 256
@@ -122,7 +123,7 @@ def test_honest_full_file_has_a_sidecar_and_loads_bit_identically(tmp_path) -> N
     restored, restored_opt = _fresh()
     ck.load(tmp_path / "full.ckpt", restored, [restored_opt])
     assert _identical(_state(restored, restored_opt), _state(model, optimizer))
-    ck.LightningCheckpointIO().remove(tmp_path / "full.ckpt")
+    LightningCheckpointIO().remove(tmp_path / "full.ckpt")
     assert not list(tmp_path.iterdir())  # the sidecar went with the file
 
 
@@ -158,7 +159,7 @@ def test_flipped_bytes_in_a_full_file_are_named(tmp_path) -> None:
     with pytest.raises(ck.ChecksumMismatchError, match="full.ckpt"):
         ck.load(tmp_path / "full.ckpt", restored)
     with pytest.raises(ck.ChecksumMismatchError, match="full.ckpt"):
-        ck.LightningCheckpointIO().load(restored, [], tmp_path / "full.ckpt", fitting=False)
+        LightningCheckpointIO().load(restored, [], tmp_path / "full.ckpt", fitting=False)
     ck.load(tmp_path / "full.ckpt", restored, verify_checksums=False)
     assert not torch.equal(restored.blocks[0].qkv.weight, model.blocks[0].qkv.weight)
 
@@ -241,12 +242,12 @@ def test_hostile_directory_is_refused_by_every_loader_and_runs_only_when_trusted
         lambda: ck.load(path, model, [optimizer]),
         lambda: ck.load(path, model, [optimizer], weights_only=True),
         lambda: ck.inspect_checkpoint(path, verify_checksums=False),
-        lambda: ck.LightningCheckpointIO().load(model, [optimizer], path, fitting=True),
+        lambda: LightningCheckpointIO().load(model, [optimizer], path, fitting=True),
     ):
         with pytest.raises(ck.UntrustedCheckpointError, match=f"{kind}.*trust_checkpoint=True"):
             attempt()
         assert not marker.exists()
-    ck.LightningCheckpointIO(trust_checkpoint=True).load(model, [optimizer], path, fitting=True)
+    LightningCheckpointIO(trust_checkpoint=True).load(model, [optimizer], path, fitting=True)
     assert marker.exists()  # the payload ran: the refusals above were real
     assert _identical(_state(model, optimizer), state)
     marker.unlink()
@@ -278,7 +279,7 @@ def test_hostile_full_file_is_refused_and_runs_only_when_trusted(tmp_path) -> No
     restored, restored_opt = _fresh()
     for attempt in (
         lambda: ck.load(file, restored, [restored_opt]),
-        lambda: ck.LightningCheckpointIO().load(restored, [restored_opt], file, fitting=True),
+        lambda: LightningCheckpointIO().load(restored, [restored_opt], file, fitting=True),
     ):
         with pytest.raises(ck.UntrustedCheckpointError, match="full.ckpt"):
             attempt()

@@ -41,8 +41,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lightning_ragged.checkpoint.core import inspect_checkpoint
-from lightning_ragged.checkpoint.consolidation import consolidate
+from lightning_ragged.checkpoint import consolidate, inspect_checkpoint
 from lightning_ragged.lightning.elastic import checkpoint_candidates, newest_checkpoint, restart_count, torchrun_world
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -73,7 +72,7 @@ def test_torchrun_world_and_restart_count_from_the_environment():
 
 
 def _save_plain_checkpoint(path: Path, step: int) -> None:
-    from lightning_ragged.checkpoint.core import save
+    from lightning_ragged.checkpoint import save
 
     save(path, torch.nn.Linear(3, 2), extra={"global_step": step})
 
@@ -81,7 +80,8 @@ def _save_plain_checkpoint(path: Path, step: int) -> None:
 def test_newest_checkpoint_finds_hidden_complete_copies(tmp_path):
     """What an interrupted save can leave: no ``last.ckpt`` (a two-step publish killed between its renames), an
     unfinished copy, a half-deleted one, a hidden version not yet linked; the newest complete one is chosen."""
-    from lightning_ragged.checkpoint.core import OLD_PREFIX, TMP_PREFIX, _hidden_sibling
+    from lightning_ragged.checkpoint import OLD_PREFIX, TMP_PREFIX
+    from lightning_ragged.checkpoint.atomic_dir import hidden_sibling
     from lightning_ragged.lightning.elastic import VERSION_PREFIX
 
     assert newest_checkpoint(tmp_path) is None and newest_checkpoint(tmp_path / "absent") is None
@@ -92,10 +92,10 @@ def test_newest_checkpoint_finds_hidden_complete_copies(tmp_path):
     assert checkpoint_candidates(tmp_path) == [last]
     (tmp_path / "last.ckpt.link").unlink()
     # the window: the previous checkpoint moved aside, the new complete one not yet renamed into place
-    old = _hidden_sibling(last, OLD_PREFIX)
+    old = hidden_sibling(last, OLD_PREFIX)
     os.replace(last, old)
     time.sleep(0.01)
-    new = _hidden_sibling(last, TMP_PREFIX)
+    new = hidden_sibling(last, TMP_PREFIX)
     _save_plain_checkpoint(tmp_path / "staging", 4)
     os.replace(tmp_path / "staging", new)
     assert not last.exists()

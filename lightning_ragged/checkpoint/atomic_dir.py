@@ -38,9 +38,11 @@ import re
 import shutil
 import sys
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
-PARTIAL_PREFIX = ".ragged-partial-"
+import torch
+
+TMP_PREFIX = ".ragged-partial-"
 """Where a save to ``P`` writes before it is published (and, after an exchange, the previous checkpoint until it is deleted)."""
 OLD_PREFIX = ".ragged-old-"
 """A previous real directory moved aside (link publishing over it; also what older versions of this code left)."""
@@ -106,8 +108,9 @@ def hidden_sibling(path: Path, prefix: str) -> Path:
     return path.parent / f"{prefix}{_digest(path)}"
 
 
-def partial_path(path: Path) -> Path:
-    return hidden_sibling(path, PARTIAL_PREFIX)
+def partial_path(path: str | os.PathLike) -> Path:
+    """Where a save to ``path`` is written before it is published."""
+    return hidden_sibling(Path(path), TMP_PREFIX)
 
 
 def file_part_path(path: Path) -> Path:
@@ -179,6 +182,18 @@ def fsync_dir(path: Path) -> None:
         pass
     finally:
         os.close(fd)
+
+
+def write_file_atomically(obj: Any, path: Path) -> None:
+    """``torch.save`` ``obj`` to ``path.part``, fsync it, then rename it to ``path`` (never a torn file at ``path``)."""
+    part = path.with_name(path.name + ".part")
+    with open(part, "wb") as handle:
+        torch.save(obj, handle)
+        handle.flush()
+        os.fsync(handle.fileno())
+    step("write_meta", part)
+    os.replace(part, path)
+    step("rename_meta", path)
 
 
 def _delete(path: Path) -> None:
@@ -351,8 +366,8 @@ def remove_stale(path: Path, tmp: Path | None = None) -> None:
 
 
 # --------------------------------------------------------------------------- removal
-def remove(path: Path) -> None:
-    """Delete the checkpoint at ``path`` so that no half-deleted directory is ever at a checkpoint's name.
+def remove_checkpoint(path: str | os.PathLike) -> None:
+    """Delete a checkpoint (directory, file or symlink) so that no half-deleted directory ever looks valid.
 
     Our link: its version is moved to a trash name first (``path`` dangles: no checkpoint),
     then the link is unlinked and the version deleted. Any other symlink is unlinked (its

@@ -17,17 +17,24 @@ whole model. The output is written to a hidden sibling and renamed into place wh
 
 from __future__ import annotations
 
+import io
 import mmap
 import os
+import pickle
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
+from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.utils._pytree import key_get, tree_flatten_with_path, tree_map
 
-from lightning_ragged.checkpoint.core import FORMAT_KEY, MODEL_KEY, ZERO_DIM_STATES_KEY, CheckpointInfo, inspect_checkpoint
 from lightning_ragged.checkpoint.checksums import remove_sidecar, write_sidecar
+from lightning_ragged.checkpoint.errors import CheckpointError
+from lightning_ragged.checkpoint.format import FORMAT_KEY, MODEL_KEY
+from lightning_ragged.checkpoint.reader import CheckpointInfo, inspect_checkpoint
 from lightning_ragged.checkpoint.safe_unpickle import torch_load
+from lightning_ragged.checkpoint.zero_dim import ZERO_DIM_STATES_KEY
 
 BATCH_BYTES = 256 * 2**20
 """Tensors filled per DCP read (a bound on the extra memory consolidation uses)."""
@@ -74,18 +81,21 @@ def write_full_checkpoint(info: CheckpointInfo, output: Path, *, batch_bytes: in
         item = metadata.state_dict_metadata[key]
         with fake_mode:
             fake = torch.empty(tuple(item.size), dtype=item.properties.dtype)
-        _set(nested, planner_data.get(key, (key,)), fake)
+        set_element(nested, planner_data.get(key, (key,)), fake)
 
     checkpoint, locate = _to_lightning_layout(nested, info)
     # Real tensors outside DCP (meta.pt: e.g. a callback's best score) are skipped by
     # skip_data too: swap them for fakes and write them back after the mmap load.
-    real: list[tuple[tuple, torch.Tensor]] = []
-    for path, value in list(_walk(checkpoint)):
-        if isinstance(value, torch.Tensor) and not _is_fake(value):
-            with fake_mode:
-                fake = torch.empty(value.shape, dtype=value.dtype)
-            real.append((path, value))
-            _set(checkpoint, path, fake)
+    real = [(path, value) for path, value in tree_flatten_with_path(checkpoint)[0] if _is_real(value)]
+    _require_all_found(checkpoint, len(real), info.path)
+
+    def fake_of(value: Any) -> Any:
+        if not _is_real(value):
+            return value
+        with fake_mode:
+            return torch.empty(value.shape, dtype=value.dtype)
+
+    checkpoint = tree_map(fake_of, checkpoint)
 
     with torch.serialization.skip_data(materialize_fake_tensors=True):
         torch.save(checkpoint, output)
@@ -94,29 +104,22 @@ def write_full_checkpoint(info: CheckpointInfo, output: Path, *, batch_bytes: in
         # Our own file, holding only what meta.pt held: weights-only unless that was trusted.
         mapped = torch_load(output, trusted=info.trusted, mmap=True, map_location="cpu")
     for path, value in real:
-        _get(mapped, path).copy_(value)
+        key_get(mapped, path).copy_(value)
 
     batch: dict[str, Any] = {}
     size = 0
     for key in tensor_keys:
         target = _get(mapped, locate(planner_data.get(key, (key,))))
-        _set(batch, planner_data.get(key, (key,)), target)
+        set_element(batch, planner_data.get(key, (key,)), target)
         size += target.numel() * target.element_size()
         if size >= batch_bytes:
-            _read_into(info, batch)
+            info.read_locally(batch)  # shards verified against their checksums, pickled items weights-only unless trusted
             batch, size = {}, 0
     if batch:
-        _read_into(info, batch)
+        info.read_locally(batch)
     del mapped, batch
     with open(output, "rb+") as handle:
         os.fsync(handle.fileno())
-
-
-def _read_into(info: CheckpointInfo, template: dict[str, Any]) -> None:
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
-
-    with info.reading():  # shards verified against their checksums, pickled items weights-only unless trusted
-        _load_state_dict(template, storage_reader=info.reader(), planner=info.planner(allow_partial_load=True), no_dist=True)
 
 
 def _load_objects(info: CheckpointInfo, keys: list[str]) -> dict[str, Any]:
@@ -124,9 +127,9 @@ def _load_objects(info: CheckpointInfo, keys: list[str]) -> dict[str, Any]:
     planner_data = info.metadata.planner_data or {}
     template: dict[str, Any] = {}
     for key in keys:
-        _set(template, planner_data.get(key, (key,)), None)
+        set_element(template, planner_data.get(key, (key,)), None)
     if keys:
-        _read_into(info, template)
+        info.read_locally(template)
     return template
 
 
@@ -176,48 +179,38 @@ def _to_torch_optimizer_layout(state: dict[str, Any]) -> tuple[dict[str, Any], d
     return converted_state, index
 
 
-def _is_fake(value: torch.Tensor) -> bool:
+def _is_real(value: Any) -> bool:
+    """A tensor with data (not one of the fakes standing in for the DCP tensors)."""
     from torch._subclasses.fake_tensor import FakeTensor
 
-    return isinstance(value, FakeTensor)
+    return isinstance(value, torch.Tensor) and not isinstance(value, FakeTensor)
 
 
-def _walk(value: Any, path: tuple = ()) -> Iterator[tuple[tuple, Any]]:
-    if isinstance(value, dict):
-        for key, item in value.items():
-            yield from _walk(item, (*path, key))
-    elif isinstance(value, (list, tuple)):
-        for index, item in enumerate(value):
-            yield from _walk(item, (*path, index))
-    else:
-        yield path, value
+def _require_all_found(checkpoint: Any, found: int, source: Any) -> None:
+    """Refuse to write a file that would silently lack data: ``skip_data`` drops every real tensor, and
+    only those pytree reaches are written back, so one inside a container pytree does not know (a
+    user's dict subclass, an object's attribute) would come out empty. Pickling counts them all."""
+    pickled = 0
+
+    class _Counter(pickle.Pickler):
+        def persistent_id(self, obj: Any) -> Any:
+            nonlocal pickled
+            if isinstance(obj, torch.Tensor):
+                pickled += _is_real(obj)
+                return id(obj)  # do not descend into the tensor
+            return None
+
+    _Counter(io.BytesIO()).dump(checkpoint)
+    if pickled != found:
+        raise CheckpointError(
+            f"{source}: meta.pt holds {pickled - found} tensor(s) inside containers consolidation cannot walk "
+            "(e.g. a dict subclass or an object's attribute); nothing was written. Keep such values in plain "
+            "dicts/lists/tuples, or load the sharded checkpoint directly (lightning_ragged.checkpoint.load)"
+        )
 
 
 def _get(root: Any, path: tuple) -> Any:
+    """``root[path[0]][path[1]]...`` (torch's ``get_element`` indexes only lists by int; torch-layout optimizer states are dicts keyed by int)."""
     for key in path:
         root = root[key]
     return root
-
-
-def _set(root: Any, path: tuple, value: Any) -> None:
-    """Set ``root[path]``, creating dicts (str keys) and lists (int keys) on the way."""
-    for position, key in enumerate(path[:-1]):
-        following = path[position + 1]
-        empty: Any = [] if isinstance(following, int) else {}
-        if isinstance(root, list):
-            while len(root) <= key:
-                root.append(None)
-            if root[key] is None:
-                root[key] = empty
-        elif key not in root or root[key] is None:
-            root[key] = empty
-        root = root[key]
-    last = path[-1]
-    if isinstance(root, list):
-        while len(root) <= last:
-            root.append(None)
-        root[last] = value
-    elif isinstance(root, tuple):
-        raise TypeError(f"cannot set an element of a tuple at {path}")
-    else:
-        root[last] = value

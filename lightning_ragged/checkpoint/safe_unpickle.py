@@ -17,7 +17,7 @@ everything but the types that file holds when this project (or DCP) writes it:
 
 ``trusted=True`` everywhere restores plain unpickling, for files whose writer you trust.
 Refusals raise ``RefusedPickleError`` (a ``pickle.UnpicklingError``; torch's own weights-only
-refusal from ``torch_load``); ``lightning_ragged.checkpoint.core`` turns them into ``UntrustedCheckpointError``.
+refusal from ``torch_load``); ``errors.untrusted`` turns them into ``UntrustedCheckpointError``.
 """
 
 from __future__ import annotations

@@ -5,11 +5,11 @@ A save is collective: a barrier before the shards are written, DCP's planning
 results), a barrier after. A frozen or stalled peer leaves the others waiting there until
 the process group's timeout, and the backend then raises a bare "Timed out waiting
 3000ms". :func:`translating` turns that into :class:`CheckpointTimeoutError`, a
-:class:`~lightning_ragged.observability.diagnostics.CollectiveTimeoutError` that names the checkpoint's
+:class:`~lightning_ragged.engine.collective_errors.CollectiveTimeoutError` that names the checkpoint's
 path, the collective (ours; inside DCP, its step and the ``torch.distributed`` call) and
-the ranks that did not arrive -- found as the engine finds them (``diagnostics``: every
-rank that gives up records its arrival in the store and waits a grace period for the
-others; a rank that never reached the collective never does).
+the ranks that did not arrive -- found as the engine finds them (``collective_errors.arrival_census``:
+every rank that gives up records its arrival in the store and waits a grace period for
+the others; a rank that never reached the collective never does).
 
 Timeouts: a synchronous save runs on the default process group, created with the
 strategy's ``timeout``. An asynchronous save runs on its own gloo group (its collectives
@@ -29,8 +29,8 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
-from lightning_ragged.observability import diagnostics
-from lightning_ragged.observability.diagnostics import CollectiveTimeoutError
+from lightning_ragged.engine import collective_errors
+from lightning_ragged.engine.collective_errors import CollectiveTimeoutError
 
 
 class CheckpointTimeoutError(CollectiveTimeoutError):
@@ -73,7 +73,7 @@ def _causes(error: BaseException) -> list[BaseException]:
 
 
 def is_timeout(error: BaseException) -> bool:
-    return any(diagnostics.is_timeout(cause) for cause in _causes(error))
+    return any(collective_errors.is_timeout(cause) for cause in _causes(error))
 
 
 def describe_collective(label: str, error: BaseException) -> str:
@@ -105,15 +105,14 @@ def translate(
     """The :class:`CheckpointTimeoutError` for ``error`` raised in the collective ``label`` of a save to ``path``, or ``error``."""
     if isinstance(error, CollectiveTimeoutError) or not dist.is_initialized() or not is_timeout(error):
         return error
-    members = diagnostics._global_ranks(group)
+    members = collective_errors.global_ranks(group)
     timeout = group_timeout(group)
     seconds = timeout.total_seconds() if timeout is not None else None
     if seconds is None:
         match = _MILLISECONDS.search(str(error))
         seconds = int(match.group(1)) / 1000 if match else None
     key = "checkpoint/" + re.sub(r"[^A-Za-z0-9_.-]+", "_", label)
-    census = diagnostics._arrival_census(key, sequence, members, seconds)
-    arrived, store_error = census if isinstance(census, tuple) else (census, None)
+    arrived, store_error = collective_errors.arrival_census(key, sequence, members, seconds)
     if arrived is None:
         missing: list[int] = []
         arrived_list: list[int] = []
@@ -127,15 +126,14 @@ def translate(
     collective = describe_collective(label, error)
     within = f"within {seconds:g} s" if seconds is not None else "within the process group's timeout"
     at_step = f" at step {step}" if step is not None else ""
-    first_line = next((line for line in str(error).splitlines() if line.strip()), type(error).__name__)
     message = (
         f"checkpoint save to {path}: collective {collective} did not finish {within}{at_step} (save #{sequence} "
-        f"of this process, process group of ranks {diagnostics._short(members)}): {missing_text}; ranks "
+        f"of this process, process group of ranks {collective_errors.short_ranks(members)}): {missing_text}; ranks "
         f"{arrived_list} were waiting in it. "
         + (note or f"The save was not published: {path} still holds the previous checkpoint, if there was one. ")
         + "A rank that did not arrive is stalled elsewhere (a long step or data loading, a different code path, "
         "a stopped or dead process): look at its logs and stack (py-spy dump). "
-        f"Backend error: {first_line.strip()}"
+        f"Backend error: {collective_errors.first_line(error).strip()}"
     )
     return CheckpointTimeoutError(
         message,

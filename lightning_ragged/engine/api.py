@@ -23,11 +23,13 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from lightning_ragged.engine.dbuffer import CommStats, DBuffer
+from lightning_ragged.engine.collectives import CommStats
+from lightning_ragged.engine.dbuffer import DBuffer
 from lightning_ragged.engine.fsdp_module import make_fsdp_module
 from lightning_ragged.layout.granularity import GranularityPolicy, resolve_granularity
 from lightning_ragged.engine.grouping import GroupSpec, ParamGroupPlan, parameter_slots, plan_groups, split_into_dbuffers
-from lightning_ragged.layout.planner import TensorSpec, plan
+from lightning_ragged.layout.planner import plan
+from lightning_ragged.layout.spec import TensorSpec
 from lightning_ragged.engine.runtime import RaggedFSDPState, eager
 from lightning_ragged.engine.shard_group import ShardGroup
 from lightning_ragged.engine.state_sync import BufferSync, sync_params_and_buffers
@@ -319,38 +321,3 @@ def no_sync(module: nn.Module) -> Iterator[None]:
     finally:
         state.requires_gradient_sync = previous
 
-
-def _sharded_keys(module: nn.Module) -> dict[str, tuple[DBuffer, str]]:
-    """State-dict key (relative to ``module``) of every sharded parameter -> (its DBuffer, its name there).
-
-    Holds at rest (modules point at shards) and inside a step (at full parameters).
-    """
-    by_id = {}
-    for dbuffer in get_state(module).dbuffers():
-        for name in dbuffer.sharded_params:
-            by_id[id(dbuffer.sharded_params[name])] = by_id[id(dbuffer.unsharded_params[name])] = (dbuffer, name)
-    return {key: by_id[id(p)] for key, p in module.named_parameters(remove_duplicate=False) if id(p) in by_id}
-
-
-def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
-    """Full, original-shape tensors for every state-dict key of ``module`` (the sharded model or any
-    submodule of it, keys relative to it), on every rank. Collective: every rank calls it."""
-    keys = _sharded_keys(module)
-    needed = {id(dbuffer) for dbuffer, _ in keys.values()}
-    gathered = {id(b): b.gather_full() for b in get_state(module).dbuffers() if id(b) in needed}
-    result = {}
-    for key, value in module.state_dict().items():
-        if key in keys:
-            dbuffer, name = keys[key]
-            value = gathered[id(dbuffer)][name]
-        result[key] = value
-    return result
-
-
-def load_full_state_dict(module: nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
-    """Copy this rank's pieces of full tensors (keys as in ``full_state_dict`` of the same module) into the shards."""
-    per_bucket: dict[int, tuple[DBuffer, dict[str, torch.Tensor]]] = {}
-    for key, (dbuffer, name) in _sharded_keys(module).items():
-        per_bucket.setdefault(id(dbuffer), (dbuffer, {}))[1][name] = state_dict[key]
-    for dbuffer, tensors in per_bucket.values():
-        dbuffer.load_full(tensors)

@@ -12,7 +12,8 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-from lightning_ragged.engine.api import full_state_dict, fully_shard, get_state, no_sync
+from lightning_ragged.engine.api import fully_shard, get_state, no_sync
+from lightning_ragged.engine.state_dict import full_state_dict
 
 
 class FullyShardedDataParallel(nn.Module):

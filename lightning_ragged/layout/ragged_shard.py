@@ -91,6 +91,20 @@ class RaggedShard:
         start, end = self.rank_ranges[self.rank if rank is None else rank]
         return flat_range_to_boxes(tuple(self.global_shape), start, end)
 
+    def local_part(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's flat range of ``full`` (the whole parameter, or a state shaped like it): a 1-D view."""
+        start, end = self.local_range
+        return full.reshape(-1)[start:end]
+
+
+def shard_of(param: torch.Tensor, name: str | None = None) -> RaggedShard:
+    """``param.ragged_shard``, or a one-rank shard holding the whole of a plain (unsharded) tensor."""
+    shard = getattr(param, "ragged_shard", None)
+    if shard is not None:
+        return shard
+    numel = param.numel()
+    return RaggedShard(name or "<unnamed>", param.shape, max(numel, 1), ((0, numel),), 0, None)
+
 
 def _rows_hint(shape: Sequence[int], block_numel: int) -> int:
     row = math.prod(shape[1:]) if len(shape) > 1 else 1

@@ -37,13 +37,10 @@ import warnings
 from pathlib import Path
 from typing import Mapping, Optional, Union
 
-from lightning_ragged.checkpoint.core import OLD_PREFIX, TMP_PREFIX, CheckpointError, inspect_checkpoint
+from lightning_ragged.checkpoint import OLD_PREFIX, TMP_PREFIX, CheckpointError, inspect_checkpoint
+from lightning_ragged.checkpoint.atomic_dir import VERSION_PREFIX  # link publishing's hidden, complete versions
 
-try:  # hidden, complete versions of link publishing (atomic_dir.py), where the filesystem cannot exchange names
-    from lightning_ragged.checkpoint.atomic_dir import VERSION_PREFIX
-except ImportError:  # pragma: no cover - older layouts
-    VERSION_PREFIX = None
-HIDDEN_PREFIXES = tuple(prefix for prefix in (TMP_PREFIX, OLD_PREFIX, VERSION_PREFIX) if prefix)
+HIDDEN_PREFIXES = (TMP_PREFIX, OLD_PREFIX, VERSION_PREFIX)
 
 CHECKPOINT_SUFFIX = ".ckpt"
 

@@ -20,12 +20,16 @@ from typing import Any, Callable
 
 import torch
 
-from lightning_ragged.optim.shards import shard_of
-from lightning_ragged.layout.ragged_shard import RaggedShard
+from lightning_ragged.layout.ragged_shard import RaggedShard, shard_of
 
 
 class RaggedOptimizer(torch.optim.Optimizer):
-    """A ``torch.optim.Optimizer`` whose state is keyed by parameter names with ragged metadata."""
+    """A ``torch.optim.Optimizer`` whose state is keyed by parameter names with ragged metadata.
+
+    It is what ``lightning_ragged.checkpoint``'s ``NamedStateOptimizer`` protocol describes
+    (``param_name``, ``state_layout``, a ``load_state_dict`` of named state), so
+    checkpoints read its state without importing this package.
+    """
 
     def __init__(self, params: Any, defaults: dict[str, Any]) -> None:
         super().__init__(params, defaults)
@@ -126,18 +130,17 @@ class RaggedOptimizer(torch.optim.Optimizer):
     def _localize(self, param: torch.Tensor, key: str, value: Any, layout: str) -> Any:
         """This rank's part of one saved state entry (own-range or full-size), on the parameter's device."""
         shard = self.shard(param)
-        start, end = shard.local_range
         if layout == "tiles":
             return self.localize_tiles(param, value)
         if not isinstance(value, torch.Tensor):
             return value
         value = value.to(param.device)
         if layout == "flat":  # the shard's 1-D shape, also where the rank holds the whole parameter
-            if value.numel() == end - start:
+            if value.numel() == shard.local_numel:
                 return value.reshape(-1).clone()
             if value.numel() == shard.numel:
-                return value.reshape(-1)[start:end].clone()
-            raise ValueError(f"state {key!r} of {shard.name!r} has {value.numel()} values; expected {end - start} or {shard.numel}")
+                return shard.local_part(value).clone()
+            raise ValueError(f"state {key!r} of {shard.name!r} has {value.numel()} values; expected {shard.local_numel} or {shard.numel}")
         if layout.startswith("blocks:"):
             block = int(layout.split(":", 1)[1])
             first, last = shard.local_blocks(block)

@@ -1,0 +1,27 @@
+"""Which rank does what in a checkpoint operation, with or without a process group (then: one rank)."""
+
+from __future__ import annotations
+
+import warnings
+
+import torch.distributed as dist
+
+
+def is_rank_zero() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def barrier() -> None:
+    """A barrier on the default process group (none without one)."""
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def rank_zero_warn(message: str) -> None:
+    """Warn once per job (rank 0), pointing at the caller's caller."""
+    if is_rank_zero():
+        warnings.warn(message, stacklevel=3)

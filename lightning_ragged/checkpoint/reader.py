@@ -1,0 +1,369 @@
+"""Reading a checkpoint directory: validation before anything touches a model, and what it holds.
+
+:func:`inspect_checkpoint` checks that a directory is complete (DCP ``.metadata``,
+``meta.pt``, every data file at least as long as recorded), of a format version we read,
+untampered (``checksums.json``) and safe to unpickle (allow-list / weights-only unless
+trusted), and returns a :class:`CheckpointInfo`: the DCP storage reader and load planner
+that apply the same checks while the shards are read. A missing path falls back to the
+newest complete hidden copy an interrupted save left (``atomic_dir.hidden_copies``).
+:func:`check_model_matches` compares the saved keys and shapes with a model's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import warnings
+from pathlib import Path
+from typing import Any, Iterator, Mapping, Sequence
+
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
+
+from lightning_ragged.checkpoint import atomic_dir, checksums, safe_unpickle
+from lightning_ragged.checkpoint.dcp import quiet_without_process_group
+from lightning_ragged.checkpoint.errors import (
+    CheckpointError,
+    CheckpointMismatchError,
+    CheckpointVersionError,
+    ChecksumMismatchError,
+    CorruptCheckpointError,
+    MissingCheckpointError,
+    is_refusal,
+    is_trusted,
+    untrusted,
+)
+from lightning_ragged.checkpoint.format import FORMAT_KEY, FORMAT_VERSION, META_FILENAME, MODEL_KEY
+from lightning_ragged.checkpoint.ranks import rank_zero_warn
+
+
+def is_sharded_checkpoint(path: str | os.PathLike) -> bool:
+    path = Path(path)
+    return path.is_dir() and (path / ".metadata").is_file()
+
+
+class CheckpointInfo:
+    """What a validated checkpoint directory holds: DCP metadata and the meta.pt contents.
+
+    ``manifest``: the checksums the shards are verified against as they are read (None: not
+    verified); ``trusted``: whether pickled items in the shards may be fully unpickled.
+    ``reader()`` / ``planner()`` are the DCP storage reader and load planner that apply both.
+    """
+
+    def __init__(
+        self,
+        path: Path,
+        metadata: Metadata,
+        meta: dict[str, Any],
+        *,
+        manifest: checksums.Manifest | None = None,
+        trusted: bool = False,
+    ) -> None:
+        self.path = path
+        self.metadata = metadata
+        self.meta = meta
+        self.manifest = manifest
+        self.trusted = trusted
+
+    def reader(self) -> "_CheckpointReader":
+        return _CheckpointReader(self.path, trusted=self.trusted, manifest=self.manifest, metadata=self.metadata)
+
+    def planner(self, allow_partial_load: bool = False) -> safe_unpickle.SafeLoadPlanner:
+        return safe_unpickle.SafeLoadPlanner(allow_partial_load=allow_partial_load, trusted=self.trusted)
+
+    @contextlib.contextmanager
+    def reading(self) -> Iterator[None]:
+        """Around a DCP load from this checkpoint: its failures as the named ``CheckpointError``s."""
+        try:
+            with quiet_without_process_group():
+                yield
+        except BaseException as error:  # DCP's CheckpointException is a BaseException
+            named = _named_load_error(self.path, error)
+            if named is error:
+                raise
+            raise named from error
+
+    def read_locally(self, template: dict[str, Any]) -> None:
+        """Fill ``template`` (nested, keyed by DCP paths) from the checkpoint on this rank alone: no collective."""
+        from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+        with self.reading():
+            _load_state_dict(template, storage_reader=self.reader(), planner=self.planner(allow_partial_load=True), no_dist=True)
+
+    @property
+    def format(self) -> dict[str, Any]:
+        return self.meta.get(FORMAT_KEY, {})
+
+    def rest(self) -> dict[str, Any]:
+        """meta.pt without our format record: what Lightning gets back (loops, callbacks, schedulers, ...)."""
+        return {k: v for k, v in self.meta.items() if k != FORMAT_KEY}
+
+    def paths(self, prefix: str) -> dict[str, tuple]:
+        """Flat DCP key -> nested path, for the keys under ``prefix`` ("model", "optimizer_0")."""
+        planner_data = self.metadata.planner_data or {}
+        result = {}
+        for key in self.metadata.state_dict_metadata:
+            path = planner_data.get(key, tuple(key.split(".")))
+            if path and path[0] == prefix:
+                result[key] = tuple(path)
+        return result
+
+    @property
+    def model_key(self) -> str:
+        """"model" (ours, Lightning's FSDP layout) or "state_dict" (Lightning's ModelParallelStrategy)."""
+        prefixes = {path[0] for path in (self.metadata.planner_data or {}).values() if path}
+        return "state_dict" if MODEL_KEY not in prefixes and "state_dict" in prefixes else MODEL_KEY
+
+    def model_shapes(self) -> dict[str, tuple[int, ...]]:
+        shapes = {}
+        for key, path in self.paths(self.model_key).items():
+            item = self.metadata.state_dict_metadata[key]
+            if isinstance(item, TensorStorageMetadata):
+                shapes[".".join(str(p) for p in path[1:])] = tuple(item.size)
+        return shapes
+
+    @property
+    def optimizer_count(self) -> int:
+        keys = {path[0] for path in (self.metadata.planner_data or {}).values() if path}
+        return sum(1 for key in keys if str(key).startswith("optimizer_"))
+
+
+class _CheckpointReader(checksums.VerifyingReaderMixin, safe_unpickle.SafeMetadataReader):
+    """DCP's file reader: ``.metadata`` through the allow-list unpickler (or the one already
+    validated), every item's bytes checked against the manifest as they are read."""
+
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        *,
+        trusted: bool = False,
+        manifest: checksums.Manifest | None = None,
+        metadata: Metadata | None = None,
+    ) -> None:
+        super().__init__(str(path), trusted=trusted)
+        self.manifest = manifest
+        self._metadata = metadata
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        if self._metadata is None or kwargs.get("rank") is not None:
+            return super().read_metadata(*args, **kwargs)
+        self._metadata.storage_meta = self._metadata.storage_meta or StorageMeta()
+        self._metadata.storage_meta.load_id = self.load_id
+        return self._metadata
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
+        if self.manifest is not None and not checksums.reader_hook_available(dcp.FileSystemReader):
+            raise CheckpointError(  # pragma: no cover - a torch without FileSystemReader._slice_file
+                "this torch's FileSystemReader has no _slice_file hook, so checksums cannot be verified while "
+                "reading; pass verify_checksums=False"
+            )
+
+
+def _named_load_error(path: Path, error: BaseException) -> BaseException:
+    """A DCP load failure as the ``CheckpointError`` it stands for (DCP wraps every rank's exception)."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    causes: list[BaseException] = [error]
+    if isinstance(error, CheckpointException):
+        causes = [wrapped[0] for _, wrapped in sorted(error.failures.items())] or causes
+    for cause in causes:
+        if isinstance(cause, CheckpointError):
+            return cause
+        if isinstance(cause, checksums.ChecksumMismatch):
+            return ChecksumMismatchError(f"{path / cause.file} is corrupt: {cause}", path / cause.file, cause.tensor)
+        if is_refusal(cause):
+            return untrusted(f"{path} (a pickled item of its shards)", cause)
+    return error
+
+
+def _describe_unfinished(path: Path) -> str:
+    tmp = atomic_dir.partial_path(path)
+    if tmp.exists():
+        return f" A save to this path did not finish (its partial data is in {tmp}); the last complete checkpoint is elsewhere."
+    return ""
+
+
+def _newest_complete_copy(path: Path, **inspect_kwargs: Any) -> Path:
+    """``path`` does not exist: the newest hidden copy of it that validates (``atomic_dir.hidden_copies``).
+
+    What an interrupted save leaves there: the new version (link publishing) or, from the
+    previous two-rename publish, its new and old copies. An incomplete or damaged copy is
+    never chosen; one that is complete but refused (trust, format version) is, so that
+    loading says why. None: ``MissingCheckpointError``.
+    """
+    for candidate in atomic_dir.hidden_copies(path):
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                inspect_checkpoint(candidate, **inspect_kwargs)
+        except (CorruptCheckpointError, MissingCheckpointError, OSError):
+            continue
+        except CheckpointError:
+            pass
+        rank_zero_warn(
+            f"no checkpoint at {path}: a save to it was interrupted; loading the newest complete "
+            f"copy it left, {candidate}"
+        )
+        return candidate
+    raise MissingCheckpointError(f"no checkpoint at {path}.{_describe_unfinished(path)}")
+
+
+def inspect_checkpoint(
+    path: str | os.PathLike,
+    *,
+    weights_only: bool | None = None,
+    trust_checkpoint: bool = False,
+    verify_checksums: bool = True,
+) -> CheckpointInfo:
+    """Validate a checkpoint directory without touching any model; raise a ``CheckpointError`` naming the problem.
+
+    Checks: the directory exists and is complete (DCP ``.metadata`` and ``meta.pt``),
+    ``meta.pt`` is readable and its format version is one we read, and every data file
+    DCP refers to exists and is at least as long as the bytes recorded for it.
+
+    Trust: ``.metadata`` is read with an allow-list of DCP's metadata types and ``meta.pt``
+    with ``torch.load(weights_only=True)``; anything else raises ``UntrustedCheckpointError``
+    unless ``trust_checkpoint=True`` (or an explicit ``weights_only=False``). Checksums
+    (``checksums.json``, written at save): ``.metadata`` and ``meta.pt`` are verified here, the
+    shards as they are read; ``verify_checksums=False`` skips all of it.
+    """
+    path = Path(path)
+    if not path.exists():  # an interrupted save or removal: the newest complete hidden copy, if any
+        path = _newest_complete_copy(
+            path, weights_only=weights_only, trust_checkpoint=trust_checkpoint, verify_checksums=verify_checksums
+        )
+    if not path.is_dir():
+        raise CheckpointError(f"{path} is a file, not a sharded checkpoint directory (load it with torch.load)")
+    trusted = is_trusted(trust_checkpoint, weights_only)
+    metadata_file = path / ".metadata"
+    if not metadata_file.is_file():
+        raise CorruptCheckpointError(
+            f"{path} is not a complete sharded checkpoint: DCP's '.metadata' is missing (the save did not finish, "
+            "or this is not a checkpoint directory)"
+        )
+    if not (path / META_FILENAME).is_file():
+        raise CorruptCheckpointError(f"{path} is not a complete checkpoint: '{META_FILENAME}' is missing (the save did not finish)")
+    manifest = None
+    if verify_checksums:
+        try:
+            manifest = checksums.Manifest.read(path)
+        except ValueError as error:
+            raise CorruptCheckpointError(str(error)) from error
+    # Untrusted, both small files are unpickled safely (allow-list / weights-only) before their
+    # checksums are compared, so that a format version newer than ours is reported as such, and a
+    # refusal as a refusal; a file that does not unpickle is checked first (a checksum mismatch
+    # says more than "unreadable"). Trusted, they are checked before they are unpickled.
+    metadata_bytes = metadata_file.read_bytes()
+    meta_bytes = (path / META_FILENAME).read_bytes()
+    if trusted:
+        _verify_small_file(path, ".metadata", metadata_bytes, manifest)
+        _verify_small_file(path, META_FILENAME, meta_bytes, manifest)
+    try:
+        metadata = safe_unpickle.load_dcp_metadata(metadata_bytes, trusted=trusted)
+    except Exception as error:
+        if is_refusal(error):
+            raise untrusted(metadata_file, error) from error
+        _verify_small_file(path, ".metadata", metadata_bytes, manifest)
+        raise CorruptCheckpointError(f"{metadata_file} is unreadable ({type(error).__name__}: {error})") from error
+    try:
+        meta = _load_meta(path / META_FILENAME, trusted, meta_bytes)
+    except CorruptCheckpointError:
+        _verify_small_file(path, META_FILENAME, meta_bytes, manifest)
+        raise
+    info = CheckpointInfo(path, metadata, meta, manifest=manifest, trusted=trusted)
+    fmt = info.format
+    if not fmt:
+        # A Lightning/FSDP2 sharded checkpoint (no ragged format record): readable, version 0.
+        fmt = {"format_version": 0}
+    version = fmt.get("format_version")
+    if not isinstance(version, int) or version > FORMAT_VERSION:
+        raise CheckpointVersionError(
+            f"{path} was written in checkpoint format version {version!r}; this lightning_ragged reads versions "
+            f"0..{FORMAT_VERSION}. Upgrade lightning_ragged (or consolidate the checkpoint with the version that wrote it)."
+        )
+    _verify_small_file(path, ".metadata", metadata_bytes, manifest)
+    _verify_small_file(path, META_FILENAME, meta_bytes, manifest)
+    if verify_checksums and manifest is None and fmt.get("checksums"):
+        raise CorruptCheckpointError(
+            f"{path} is damaged: its checksums ('{fmt['checksums']}') are missing, though the save recorded them "
+            "(pass verify_checksums=False to load it unverified)"
+        )
+    if manifest is not None:
+        try:
+            manifest.check_covers(metadata.storage_data or {})
+        except checksums.ChecksumMismatch as error:
+            raise ChecksumMismatchError(f"{path} is damaged: {error}", path / checksums.MANIFEST_FILENAME, error.tensor) from error
+    _check_data_files(path, metadata)
+    return info
+
+
+def _verify_small_file(directory: Path, name: str, data: bytes, manifest: checksums.Manifest | None) -> None:
+    """Check a small file of the checkpoint (read whole) against the manifest."""
+    if manifest is not None:
+        try:
+            manifest.verify_file_bytes(name, data)
+        except checksums.ChecksumMismatch as error:
+            raise ChecksumMismatchError(f"{directory / name} is corrupt: {error}", directory / name) from error
+
+
+def _load_meta(file: Path, trusted: bool, data: bytes | None = None) -> dict[str, Any]:
+    """meta.pt: weights-only (no fallback) unless ``trusted``."""
+    try:
+        return safe_unpickle.torch_load(io.BytesIO(data) if data is not None else file, trusted=trusted, map_location="cpu")
+    except Exception as error:
+        if is_refusal(error):
+            raise untrusted(file, error) from error
+        raise CorruptCheckpointError(f"{file} is unreadable ({type(error).__name__}: {error})") from error
+
+
+def _check_data_files(path: Path, metadata: Metadata) -> None:
+    needed: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        relative = getattr(info, "relative_path", None)
+        if relative is None:
+            continue
+        needed[relative] = max(needed.get(relative, 0), info.offset + info.length)
+    for relative, size in sorted(needed.items()):
+        file = path / relative
+        if not file.is_file():
+            raise CorruptCheckpointError(f"{path} is incomplete: data file {relative} is missing")
+        actual = file.stat().st_size
+        if actual < size:
+            raise CorruptCheckpointError(
+                f"{path} is truncated: data file {relative} has {actual} bytes, the checkpoint records {size}"
+            )
+
+
+def check_model_matches(info: CheckpointInfo, expected: Mapping[str, tuple[int, ...]], strict: bool = True) -> None:
+    """Raise ``CheckpointMismatchError`` naming missing/unexpected keys and shape mismatches."""
+    check_shapes(info.model_shapes(), expected, strict, info.path)
+
+
+def check_shapes(
+    saved: Mapping[str, Sequence[int]], expected: Mapping[str, Sequence[int]], strict: bool, source: Any
+) -> None:
+    """Raise ``CheckpointMismatchError`` if ``source``'s shapes (``saved``) are not the model's (``expected``)."""
+    missing = sorted(expected.keys() - saved.keys())
+    unexpected = sorted(saved.keys() - expected.keys())
+    shapes = sorted(
+        f"{key}: checkpoint {list(saved[key])} vs model {list(expected[key])}"
+        for key in expected.keys() & saved.keys()
+        if tuple(saved[key]) != tuple(expected[key])
+    )
+    problems = []
+    if missing and strict:
+        problems.append(f"missing keys (in the model, not in the checkpoint): {short_list(missing)}")
+    if unexpected and strict:
+        problems.append(f"unexpected keys (in the checkpoint, not in the model): {short_list(unexpected)}")
+    if shapes:
+        problems.append(f"shape mismatch: {short_list(shapes)}")
+    if problems:
+        raise CheckpointMismatchError(f"{source} holds a different model: " + "; ".join(problems))
+
+
+def short_list(items: Sequence[str], limit: int = 8) -> str:
+    """At most ``limit`` items for a message, and how many more there are."""
+    shown = ", ".join(items[:limit])
+    return shown + (f" ... and {len(items) - limit} more" if len(items) > limit else "")

@@ -1,0 +1,312 @@
+"""Writing a checkpoint: every rank its shards through DCP, rank 0 meta.pt last, one atomic publish.
+
+A save goes to a hidden sibling directory (``atomic_dir.partial_path``), every rank writes
+its shards, rank 0 writes ``meta.pt`` and ``checksums.json`` last and publishes the
+directory with one atomic rename (``atomic_dir.publish``): a crash at any point leaves the
+name holding the previous checkpoint or the new one. An asynchronous save stages one copy
+of each buffer and finishes in the background (:class:`PendingSave`); ``full=True``
+streams the shards into one ordinary file (``consolidation.py``). A save's collectives that
+time out raise ``CheckpointTimeoutError`` (``timeout.py``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import threading
+from concurrent.futures import Future
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+
+from lightning_ragged.checkpoint import atomic_dir, checksums, safe_unpickle
+from lightning_ragged.checkpoint import timeout as checkpoint_timeout
+from lightning_ragged.checkpoint.consolidation import write_full_checkpoint
+from lightning_ragged.checkpoint.dcp import quiet_without_process_group
+from lightning_ragged.checkpoint.errors import CheckpointError
+from lightning_ragged.checkpoint.format import FORMAT_KEY, FORMAT_VERSION, META_FILENAME, MODEL_KEY
+from lightning_ragged.checkpoint.model_state import sharded_model_state_dict
+from lightning_ragged.checkpoint.optimizer_state import sharded_optimizer_state_dict
+from lightning_ragged.checkpoint.ranks import barrier, is_rank_zero, world_size
+from lightning_ragged.checkpoint.reader import CheckpointInfo
+
+
+def _split_checkpoint(checkpoint: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(what DCP writes: "model", "optimizer_i"; what goes to meta.pt: everything else)."""
+    tensors: dict[str, Any] = {}
+    meta: dict[str, Any] = {}
+    for key, value in checkpoint.items():
+        if key in ("state_dict", MODEL_KEY):
+            tensors[MODEL_KEY] = value
+        elif key == "optimizer_states":
+            for index, state in enumerate(value):
+                tensors[f"optimizer_{index}"] = state
+        elif key.startswith("optimizer_") and key[len("optimizer_") :].isdigit():
+            tensors[key] = value
+        else:
+            meta[key] = value
+    return tensors, meta
+
+
+def _storage_writer(path: Path, compress: bool) -> checksums.ChecksummingWriter:
+    """DCP's file writer, recording a CRC-32 of every item it writes (``writer.manifest`` on rank 0)."""
+    extensions = None
+    if compress:
+        from torch.distributed.checkpoint._extension import ZStandard
+
+        if not ZStandard.is_available():
+            raise RuntimeError(
+                "checkpoint compression needs the 'zstandard' (or 'pyzstd') package: pip install zstandard"
+            )
+        extensions = [ZStandard()]
+    return checksums.ChecksummingWriter(str(path), _extensions=extensions)
+
+
+class _AlreadyStaged:
+    """An ``AsyncStager`` for a state dict we copied ourselves (one flat copy per buffer)."""
+
+    should_synchronize_after_execute = False
+
+    def stage(self, state_dict: Any) -> Any:
+        return state_dict
+
+    def synchronize_staging(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class PendingSave:
+    """An asynchronous save in flight; ``wait()`` finishes it (meta.pt, rename) on rank 0.
+
+    ``translating(label)``: a context manager that raises a timeout of the save's
+    collectives as ``CheckpointTimeoutError`` (see ``checkpoint_timeout``). A failure is
+    kept and raised again by every later ``wait()`` (the finish never runs twice).
+    """
+
+    def __init__(self, future: Future, finish: Any, path: Path, translating: Any = None) -> None:
+        self.future = future
+        self._finish = finish
+        self.path = path
+        self.translating = translating or (lambda label, group=None: contextlib.nullcontext())
+        self._lock = threading.Lock()
+        self._done = False
+        self._error: BaseException | None = None
+
+    def wait(self) -> None:
+        with self._lock:  # the done-callback (rank 0) and the next save may both get here
+            if self._error is not None:
+                raise self._error
+            if self._done:
+                return
+            try:
+                with self.translating("dcp.async_save"):
+                    self.future.result()
+                self._finish()
+            except BaseException as error:
+                self._error = error
+                raise
+            self._done = True
+
+
+class CheckpointWriter:
+    """Writes checkpoint directories (sync or async) and keeps at most one async save in flight."""
+
+    def __init__(self, timeout: timedelta | None = None) -> None:
+        self.pending: PendingSave | None = None
+        self._async_group: dist.ProcessGroup | None = None
+        self.timeout = timeout
+        """The async save's process-group timeout; None: the default group's (the strategy's ``timeout``)."""
+        self._saves = 0  # every rank counts the same saves: names a timed-out save's collectives in the store
+
+    def wait(self) -> None:
+        """Finish the save in flight, if any (every rank)."""
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            pending.wait()
+            with pending.translating("barrier after the asynchronous save", None):  # the default group
+                barrier()
+
+    def save(
+        self,
+        checkpoint: Mapping[str, Any],
+        path: str | os.PathLike,
+        *,
+        compress: bool = False,
+        async_save: bool = False,
+        full: bool = False,
+        extra_meta: Mapping[str, Any] | None = None,
+    ) -> None:
+        """Write ``checkpoint`` (Lightning layout or {"model", "optimizer_i", ...}) to the directory ``path``.
+
+        With ``full=True`` the result is instead one ordinary ``torch.save`` file at ``path``
+        (Lightning's single-file layout): the shards are written as above to a hidden
+        directory, then rank 0 streams them tensor by tensor into the file
+        (``consolidation.py``), so no rank ever holds the whole model.
+
+        Collective. Tensors under "state_dict"/"model" and "optimizer_states"/"optimizer_i"
+        go through DCP (DTensors: each rank writes its boxes; plain tensors: written
+        once); everything else goes to ``meta.pt``, which rank 0 writes last before the
+        directory is renamed into place. With ``async_save`` this returns once the
+        shards are staged (one copy of each buffer); the write and the rename finish in
+        the background and the next save (or ``wait()``) waits for them.
+        """
+        self.wait()
+        path = Path(path)
+        tmp = atomic_dir.partial_path(path)
+        tensors, meta = _split_checkpoint(checkpoint)
+        self._saves += 1
+        sequence, saved_step = self._saves, meta.get("global_step", meta.get("step"))
+
+        def translating(label: str, group: dist.ProcessGroup | None = None, note: str | None = None) -> Any:
+            step = saved_step if isinstance(saved_step, int) else None
+            return checkpoint_timeout.translating(path, label, sequence=sequence, step=step, group=group, note=note)
+
+        meta[FORMAT_KEY] = {
+            "format_version": FORMAT_VERSION,
+            "world_size": world_size(),
+            "optimizers": sum(1 for key in tensors if key.startswith("optimizer_")),
+            "has_model": MODEL_KEY in tensors,
+            "compressed": compress,
+            "checksums": checksums.MANIFEST_FILENAME,  # a directory without it is then known to be damaged
+            **(extra_meta or {}),
+        }
+        if is_rank_zero():
+            atomic_dir.prepare_partial(path, META_FILENAME)  # an earlier save to this path that never finished is removed
+        with translating("barrier before writing"):
+            barrier()
+
+        def finish() -> None:
+            atomic_dir.step("write_shards", tmp)
+            if not is_rank_zero():
+                return
+            atomic_dir.write_file_atomically(meta, tmp / META_FILENAME)
+            manifest = _publish_checksums(writer, tmp)
+            atomic_dir.step("write_checksums", tmp / checksums.MANIFEST_FILENAME)
+            atomic_dir.fsync_dir(tmp)
+            if not full:
+                atomic_dir.publish(tmp, path)
+                return
+            # Our own fresh save: meta is the live objects (trusted); the shards are verified as read.
+            metadata = safe_unpickle.load_dcp_metadata((tmp / ".metadata").read_bytes())
+            info = CheckpointInfo(tmp, metadata, meta, manifest=manifest, trusted=True)
+            part = atomic_dir.file_part_path(path)  # hidden, no digits of the name: Lightning's hpc_ckpt_<N> scan
+            write_full_checkpoint(info, part)
+            atomic_dir.step("write_file", part)
+            checksums.remove_sidecar(path)  # never an old file's checksum next to the new file
+            atomic_dir.publish(part, path)
+            checksums.write_sidecar(path)
+            shutil.rmtree(tmp, ignore_errors=True)
+
+        writer = _storage_writer(tmp, compress)
+        if not async_save:
+            with translating("dcp.save"), quiet_without_process_group():
+                dcp.save(tensors, storage_writer=writer)
+            with translating("barrier after writing the shards"):
+                barrier()  # every rank's files are complete (DCP's .metadata is written by rank 0 last)
+            finish()
+            with translating("barrier after publishing", note=f"Rank 0 may have published {path} already. "):
+                barrier()
+            return
+        if dist.is_initialized() and self._async_group is None:
+            # its own group (DCP's collectives run in a background thread), with the default group's timeout
+            timeout = self.timeout or checkpoint_timeout.group_timeout()
+            self._async_group = dist.new_group(backend="gloo", **({"timeout": timeout} if timeout else {}))
+        staged = _stage(tensors)
+        future = dcp.async_save(
+            staged, storage_writer=writer, process_group=self._async_group, async_stager=_AlreadyStaged()
+        )
+        # DCP's rank 0 finishes (writes .metadata) only after every rank's data is written,
+        # so rank 0 may publish the directory as soon as its own future completes.
+        group = self._async_group
+        self.pending = PendingSave(future, finish, path, lambda label, group=group: translating(label, group=group))
+        if is_rank_zero():
+            pending = self.pending
+            future.add_done_callback(lambda f: f.exception() is None and pending.wait())
+
+
+def _publish_checksums(writer: checksums.ChecksummingWriter, directory: Path) -> checksums.Manifest:
+    """Rank 0, before the directory is published: ``checksums.json`` (items from DCP, ``.metadata``, meta.pt)."""
+    manifest = writer.manifest
+    if manifest is None:
+        raise CheckpointError(f"the save to {directory} recorded no checksums (DCP's finish did not run on this rank)")
+    manifest.add_file(directory, ".metadata")
+    manifest.add_file(directory, META_FILENAME)
+    manifest.write(directory)
+    return manifest
+
+
+def _stage(tree: Any) -> Any:
+    """A copy of every tensor the training step will overwrite, one flat copy per shared storage."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
+
+    copies: dict[int, torch.Tensor] = {}
+
+    def copy_of(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        key = storage.data_ptr()
+        if key not in copies:
+            copies[key] = torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(storage.clone())
+        base = copies[key]
+        return torch.empty(0, dtype=tensor.dtype, device=tensor.device).set_(
+            base.untyped_storage(), tensor.storage_offset(), tensor.shape, tensor.stride()
+        )
+
+    def visit(value: Any) -> Any:
+        if isinstance(value, DTensor):
+            local = value._local_tensor
+            if isinstance(local, LocalShardsWrapper):
+                pieces = [copy_of(piece) for piece in local.local_shards()]
+                wrapper = LocalShardsWrapper(pieces, [tuple(o) for o in local.local_offsets()])
+                return DTensor.from_local(
+                    wrapper, value.device_mesh, value.placements, shape=value.shape, stride=value.stride(), run_check=False
+                )
+            return value.clone()
+        if isinstance(value, torch.Tensor):
+            return value.detach().clone()
+        if isinstance(value, Mapping):
+            return {key: visit(item) for key, item in value.items()}
+        if isinstance(value, list):
+            return [visit(item) for item in value]
+        return value
+
+    return visit(tree)
+
+
+_DEFAULT_WRITER = CheckpointWriter()
+
+
+def save(
+    path: str | os.PathLike,
+    module: nn.Module | None = None,
+    optimizers: Iterable[torch.optim.Optimizer] = (),
+    extra: Mapping[str, Any] | None = None,
+    *,
+    compress: bool = False,
+    async_save: bool = False,
+    full: bool = False,
+    writer: CheckpointWriter | None = None,
+) -> None:
+    """Save a module (and optimizers, and picklable extras) as a sharded checkpoint directory (collective).
+
+    ``full=True`` writes one ordinary single-file checkpoint instead (see ``CheckpointWriter.save``).
+    """
+    checkpoint: dict[str, Any] = dict(extra or {})
+    if module is not None:
+        checkpoint[MODEL_KEY] = sharded_model_state_dict(module)
+    for index, optimizer in enumerate(optimizers):
+        checkpoint[f"optimizer_{index}"] = sharded_optimizer_state_dict(module, optimizer)
+    (writer or _DEFAULT_WRITER).save(checkpoint, path, compress=compress, async_save=async_save, full=full)
+
+
+def wait_for_pending_save(writer: CheckpointWriter | None = None) -> None:
+    """Finish the asynchronous save in flight of ``writer`` (default: ``save``'s), if any (every rank)."""
+    (writer or _DEFAULT_WRITER).wait()

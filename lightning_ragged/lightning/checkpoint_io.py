@@ -1,0 +1,143 @@
+"""The strategy's checkpoint IO: what ``RaggedFSDPStrategy`` does for checkpoints, over ``lightning_ragged.checkpoint``."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+from torch import nn
+
+from lightning_ragged.checkpoint import checksums
+from lightning_ragged.checkpoint.atomic_dir import remove_checkpoint
+from lightning_ragged.checkpoint.errors import CheckpointMismatchError
+from lightning_ragged.checkpoint.format import MODEL_KEY
+from lightning_ragged.checkpoint.model_state import (
+    expected_model_shapes,
+    load_full_model_state_dict,
+    load_sharded_model_state_dict,
+    sharded_model_state_dict,
+)
+from lightning_ragged.checkpoint.optimizer_state import (
+    load_full_optimizer_state_dict,
+    load_sharded_optimizer_state_dict,
+    sharded_optimizer_state_dict,
+)
+from lightning_ragged.checkpoint.ranks import rank_zero_warn
+from lightning_ragged.checkpoint.reader import check_model_matches, inspect_checkpoint
+from lightning_ragged.checkpoint.single_file import read_file, rest_of_file
+from lightning_ragged.checkpoint.writer import CheckpointWriter
+
+
+class LightningCheckpointIO:
+    """What ``RaggedFSDPStrategy`` does for checkpoints; the strategy only delegates here.
+
+    * ``state_dict()`` / ``optimizer_state()``: DTensor views of the shards (no gather).
+    * ``save()``: a sharded directory (``state_dict_type="sharded"``) or one ordinary file
+      (``"full"``), atomically, optionally Zstandard-compressed and/or asynchronous.
+    * ``load()``: validates, loads the model and (when fitting) the optimizers in place
+      at the current layout, and returns the rest for Lightning (loops, callbacks,
+      schedulers). A weights-only checkpoint resumes the weights and warns that the
+      optimizer state is absent. Ordinary single-file checkpoints load too.
+    * ``remove()``: directories, files and ``save_last="link"`` symlinks.
+    """
+
+    def __init__(
+        self,
+        state_dict_type: str = "sharded",
+        compress: bool = False,
+        async_save: bool = False,
+        *,
+        trust_checkpoint: bool = False,
+        verify_checksums: bool = True,
+    ) -> None:
+        self.state_dict_type = state_dict_type
+        self.compress = compress
+        self.async_save = async_save
+        self.trust_checkpoint = trust_checkpoint  # full unpickling of meta.pt / .metadata / .ckpt: only for files you trust
+        self.verify_checksums = verify_checksums
+        self.writer = CheckpointWriter()
+
+    def state_dict(self, module: nn.Module) -> dict[str, Any]:
+        return sharded_model_state_dict(module)
+
+    def optimizer_state(self, module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        return sharded_optimizer_state_dict(module, optimizer)
+
+    def save(self, checkpoint: dict[str, Any], path: str | os.PathLike, storage_options: Any = None) -> None:
+        if storage_options is not None:
+            raise TypeError(
+                "RaggedFSDPStrategy.save_checkpoint(..., storage_options=...) is not supported: checkpoints are "
+                "written with torch.distributed.checkpoint, not a CheckpointIO plugin"
+            )
+        self.writer.save(
+            checkpoint,
+            path,
+            compress=self.compress,
+            async_save=self.async_save,
+            full=self.state_dict_type == "full",
+        )
+
+    def load(
+        self,
+        module: nn.Module,
+        optimizers: Sequence[torch.optim.Optimizer],
+        path: str | os.PathLike,
+        *,
+        fitting: bool,
+        strict: bool = True,
+        weights_only: bool | None = None,
+    ) -> dict[str, Any]:
+        self.writer.wait()
+        path = Path(path)
+        trust = {"trust_checkpoint": self.trust_checkpoint, "verify_checksums": self.verify_checksums}
+        if path.is_file():
+            checkpoint = read_file(path, weights_only, **trust)
+            state_dict = checkpoint.get("state_dict", checkpoint.get(MODEL_KEY, {}))
+            load_full_model_state_dict(module, state_dict, strict=strict, source=path)
+            states = list(checkpoint.get("optimizer_states", []))
+            rest = rest_of_file(checkpoint)
+            optimizer_count = len(states)
+            load_optimizers = lambda: [  # noqa: E731
+                load_full_optimizer_state_dict(module, optimizer, state) for optimizer, state in zip(optimizers, states)
+            ]
+        else:
+            info = inspect_checkpoint(path, weights_only=weights_only, **trust)
+            check_model_matches(info, expected_model_shapes(module), strict=strict)
+            load_sharded_model_state_dict(module, info, strict=strict)
+            rest = info.rest()
+            optimizer_count = info.optimizer_count
+            load_optimizers = lambda: [  # noqa: E731
+                load_sharded_optimizer_state_dict(module, optimizer, info, f"optimizer_{i}")
+                for i, optimizer in enumerate(optimizers)
+            ]
+        if fitting and optimizers:
+            if optimizer_count == 0:
+                rank_zero_warn(
+                    f"{path} was saved with weights only (e.g. ModelCheckpoint(save_weights_only=True)): the model "
+                    "weights are restored, but the optimizer and LR-scheduler states are absent, so the optimizers "
+                    "start fresh."
+                )
+                rest.setdefault("lr_schedulers", [])
+            elif optimizer_count != len(optimizers):
+                raise CheckpointMismatchError(
+                    f"{path} holds {optimizer_count} optimizer state(s) but the LightningModule configures "
+                    f"{len(optimizers)} optimizer(s)"
+                )
+            else:
+                load_optimizers()
+        return rest
+
+    def remove(self, path: str | os.PathLike) -> None:
+        """Rank 0 only (Lightning calls it on every rank and filters)."""
+        pending = self.writer.pending
+        if pending is not None:
+            pending.wait()  # never delete next to a directory that is still being renamed
+        checksums.remove_sidecar(path)  # a single file's checksum goes with it (a symlink's target keeps its own)
+        remove_checkpoint(path)
+
+    def teardown(self) -> None:
+        pending, self.writer.pending = self.writer.pending, None
+        if pending is not None:
+            pending.wait()

@@ -8,9 +8,10 @@ stack of hidden matrices three ways and times ``Muon.step()`` on synthetic gradi
 * FSDP2: ``torch.distributed.fsdp.fully_shard`` (``Shard(0)`` DTensors); each matrix's update is
   gathered with ``full_tensor()`` and orthogonalized on every rank (the straightforward port).
 
-Collectives are counted inside ``step()`` (wrapped ``torch.distributed`` functions; FSDP2's
-``full_tensor()`` gathers counted per call). NS load balance: max/mean over ranks of the
-Newton–Schulz FLOPs each rank runs. The table goes to ``benchmarks/RESULTS.md`` ("optimizers").
+Collectives are counted inside ``step()`` by torch's ``CommDebugMode`` (the ``c10d`` ops of
+``torch.distributed`` and FSDP2's functional ``full_tensor()`` gathers alike), with the bytes
+each rank sends added here (``CommDebugMode`` counts ops, not sizes). NS load balance:
+max/mean over ranks of the Newton–Schulz FLOPs each rank runs. The table goes to ``benchmarks/RESULTS.md`` ("optimizers").
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
+from torch.distributed.tensor.debug import CommDebugMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -52,21 +54,41 @@ class Stack(nn.Module):
         self.blocks = nn.ModuleList(Block() for _ in range(LAYERS))
 
 
-def _time_steps(step, set_grads) -> tuple[float, float, int]:
-    from lightning_ragged.optim import CollectiveCounter
+class CommBytes(CommDebugMode):
+    """``CommDebugMode`` that also sums the bytes of the tensors each collective sends.
 
+    The sent tensor is the argument named ``input*`` in the op's schema (``alltoall_base_``,
+    ``_allgather_base_``, the functional gathers), else every tensor argument (in-place ops).
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sent = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        before = self.get_total_counts()
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        if self.get_total_counts() > before:
+            named = list(zip(func._schema.arguments, args))
+            inputs = [value for arg, value in named if arg.name.startswith("input")] or [value for _, value in named]
+            tensors = [t for value in inputs for t in (value if isinstance(value, (list, tuple)) else [value])]
+            self.sent += sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+        return out
+
+
+def _time_steps(step, set_grads) -> tuple[float, float, int]:
     times, counts, sent = [], [], []
     for index in range(STEPS + 1):
         set_grads(index)
         dist.barrier()
-        with CollectiveCounter() as counter:
+        with CommBytes() as comm:
             started = time.perf_counter()
-            extra = step()
+            step()
             elapsed = time.perf_counter() - started
         if index:  # the first step allocates state
             times.append(elapsed)
-            counts.append(counter.total + extra[0])
-            sent.append(counter.bytes + extra[1])
+            counts.append(comm.get_total_counts())
+            sent.append(comm.sent)
     return statistics.median(times), statistics.mean(counts), int(statistics.mean(sent))
 
 
@@ -85,11 +107,7 @@ def _ragged(granularity: str) -> dict:
             start, end = p.ragged_shard.local_range
             p.grad = full[start:end].clone()
 
-    def step():
-        muon.step()
-        return 0, 0
-
-    seconds, collectives, sent = _time_steps(step, set_grads)
+    seconds, collectives, sent = _time_steps(muon.step, set_grads)
     loads = muon.last_plan.flops_per_rank[0]
     layouts = [dbuffer.layout for dbuffer in get_state(model).dbuffers()]
     padding = sum(l.padding for l in layouts) / sum(l.buffer_numel for l in layouts)
@@ -123,7 +141,6 @@ def _fsdp2() -> dict:
             p.grad = DTensor.from_local(local.clone(), mesh, [Shard(0)], run_check=False, shape=p.shape, stride=p.stride())
 
     def step():
-        gathers, sent = 0, 0
         with torch.no_grad():
             for p in params:
                 grad, buf = p.grad.to_local(), buffers[p]
@@ -131,14 +148,11 @@ def _fsdp2() -> dict:
                 update = grad.lerp(buf, MUON["momentum"])
                 full = DTensor.from_local(update, mesh, [Shard(0)], run_check=False, shape=p.shape,
                                           stride=p.stride()).full_tensor()
-                gathers += 1
-                sent += update.numel() * update.element_size()
                 ortho = _zeropower_via_newtonschulz(full, (3.4445, -4.7750, 2.0315), 5, 1e-7)
                 _, offset = compute_local_shape_and_global_offset(p.shape, mesh, p.placements)
                 local = p.to_local()
                 local.mul_(1 - MUON["lr"] * MUON["weight_decay"])
                 local.add_(ortho[offset[0] : offset[0] + local.shape[0]], alpha=-_adjust_lr(MUON["lr"], None, p.shape))
-        return gathers, sent
 
     seconds, collectives, sent = _time_steps(step, set_grads)
     per_rank = sum(ns_flops(p.shape) for p in params)

@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
+from torch.distributed.tensor.debug import CommDebugMode
 
 from lightning_ragged import RaggedShardBoundaryViolation, full_state_dict, fully_shard
-from lightning_ragged.optim import AdamW8bit, CollectiveCounter, block_granularity
+from lightning_ragged.optim import AdamW8bit, block_granularity
 from lightning_ragged.optim.quantization import dequantize_blockwise, dynamic_map, quantize_blockwise
 
 STEPS = 5
@@ -45,9 +46,9 @@ def run_sharded():
         for name, param in params.items():
             start, end = param.ragged_shard.local_range
             param.grad = grads[name].reshape(-1)[start:end].clone()
-        with CollectiveCounter() as counter:
+        with CommDebugMode() as comm:
             optimizer.step()
-        counts.append(counter.total)
+        counts.append(comm.get_total_counts())
     cuts = sorted({c for p in params.values() for c in p.ragged_shard.cut_offsets()})
     return full_state_dict(model), counts, cuts, optimizer.state_dict()
 

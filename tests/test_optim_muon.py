@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor.debug import CommDebugMode
 
 from lightning_ragged import full_state_dict, fully_shard
-from lightning_ragged.optim import CollectiveCounter, Muon, split_muon_params
+from lightning_ragged.optim import Muon, MuonWithAuxAdamW, split_muon_params
 from tests.models import lm_loss, make_batches, make_model
 
 STEPS = 5
@@ -76,9 +77,9 @@ def train_against_torch_muon(granularities=GRANULARITIES, steps=STEPS, adjust_lr
                 grad_diff = max(grad_diff, (engine_grad - full_params[name].grad).abs().max().item())
                 if shared_grads:
                     full_params[name].grad.copy_(engine_grad)
-            with CollectiveCounter() as counter:
+            with CommDebugMode() as comm:
                 muon.step()
-            counts.append(counter.total)
+            counts.append(comm.get_total_counts())
             adamw.step()
             muon.zero_grad()
             adamw.zero_grad()
@@ -157,6 +158,21 @@ def test_muon_end_to_end_within_bf16_tolerance(dist_pool, world_size):
     # by CPU), far below how far the matrices move (``moved`` > 1e-2).
     assert result["muon_diff"] <= (1e-6 if world_size == 2 else 5e-3), result
     assert result["moved"] > 1e-2
+
+
+def test_aux_adamw_groups_match_torch_adamw_bit_for_bit():
+    torch.manual_seed(0)
+    ours = [torch.nn.Parameter(torch.randn(7, 5)), torch.nn.Parameter(torch.randn(3))]
+    theirs = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+    optimizer = MuonWithAuxAdamW([dict(params=ours, use_muon=False, **ADAMW)])
+    reference = torch.optim.AdamW(theirs, **ADAMW)
+    for _ in range(STEPS):
+        for p, q in zip(ours, theirs):
+            p.grad = torch.randn_like(p)
+            q.grad = p.grad.clone()
+        optimizer.step()
+        reference.step()
+    assert all(torch.equal(p, q) for p, q in zip(ours, theirs))
 
 
 def test_muon_refuses_non_matrix_params():

@@ -4,7 +4,6 @@ See docs/optimizers.md for the granularity each one needs and a Lightning exampl
 """
 
 from lightning_ragged.optim.adamw8bit import AdamW8bit, block_granularity
-from lightning_ragged.optim.collectives import CollectiveCounter
 from lightning_ragged.optim.muon import Muon, MuonPlan, ns_flops, split_muon_params
 from lightning_ragged.optim.muon_adamw import MuonWithAuxAdamW, muon_param_groups
 from lightning_ragged.optim.named_state import RaggedOptimizer
@@ -12,7 +11,6 @@ from lightning_ragged.optim.shampoo import Shampoo
 
 __all__ = [
     "AdamW8bit",
-    "CollectiveCounter",
     "Muon",
     "MuonPlan",
     "MuonWithAuxAdamW",

@@ -8,8 +8,10 @@ are bit-for-bit the same at any world size. A boundary inside a block raises
 ``RaggedShard boundary violation:``; shard with
 ``shard_granularity=lightning_ragged.optim.block_granularity(block_size)`` (or "matrix").
 
-Per step (fp32 math, like bitsandbytes/torchao): dequantize → ``m = β1·m + (1−β1)·g``,
-``v = β2·v + (1−β2)·g²`` → ``p ← p·(1 − lr·wd) − lr·(m/bc1)/(√(v/bc2) + eps)`` → requantize.
+Per step (fp32 math, like bitsandbytes/torchao): dequantize → ``torch.optim.AdamW``'s own
+step on the fp32 moments (its functional ``torch.optim.adamw.adamw``, single-tensor:
+``m = β1·m + (1−β1)·g``, ``v = β2·v + (1−β2)·g²``, ``p ← p·(1 − lr·wd) − lr·(m/bc1)/(√v/√bc2 + eps)``)
+→ requantize.
 
 Why not torchao's ``AdamW8bit`` (checked, torchao 0.18 with torch 2.13 CPU): it runs, but its
 step is ``torch.compile``d (23 s for the first step of one tensor on this CPU), it keeps fp32
@@ -22,6 +24,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import torch
+from torch.optim.adamw import adamw
 
 from lightning_ragged.optim.named_state import RaggedOptimizer
 from lightning_ragged.optim.quantization import dequantize_blockwise, quantize_blockwise
@@ -91,19 +94,13 @@ class AdamW8bit(RaggedOptimizer):
                     state["step"] = torch.tensor(0.0)
                     state["exp_avg_codes"], state["exp_avg_scales"] = quantize_blockwise(zeros, block, signed=True)
                     state["exp_avg_sq_codes"], state["exp_avg_sq_scales"] = quantize_blockwise(zeros, block, signed=False)
-                state["step"] += 1
-                step = state["step"].item()
-                if flat.numel() == 0:
-                    continue
                 exp_avg = dequantize_blockwise(state["exp_avg_codes"], state["exp_avg_scales"], block, signed=True)
                 exp_avg_sq = dequantize_blockwise(state["exp_avg_sq_codes"], state["exp_avg_sq_scales"], block, signed=False)
-                exp_avg.lerp_(grad, 1 - beta1)
-                exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-                bias_correction1 = 1 - beta1**step
-                bias_correction2 = 1 - beta2**step
-                denom = (exp_avg_sq / bias_correction2).sqrt_().add_(group["eps"])
-                flat.mul_(1 - group["lr"] * group["weight_decay"])
-                flat.addcdiv_(exp_avg, denom, value=-group["lr"] / bias_correction1)
+                adamw(
+                    [flat], [grad], [exp_avg], [exp_avg_sq], [], [state["step"]], foreach=False, amsgrad=False,
+                    beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"],
+                    maximize=False,
+                )
                 state["exp_avg_codes"], state["exp_avg_scales"] = quantize_blockwise(exp_avg, block, signed=True)
                 state["exp_avg_sq_codes"], state["exp_avg_sq_scales"] = quantize_blockwise(exp_avg_sq, block, signed=False)
         return loss

@@ -37,8 +37,8 @@ from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C, DEFAULT_NS_STEPS,
 from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
 
 from lightning_ragged.optim.named_state import RaggedOptimizer
-from lightning_ragged.optim.shards import local_flat, shard_of
-from lightning_ragged.layout.ragged_shard import RaggedShard
+from lightning_ragged.optim.shards import local_flat
+from lightning_ragged.layout.ragged_shard import RaggedShard, shard_of
 
 NON_MUON_NAME_PARTS = ("embed", "wte", "wpe", "pos", "head", "lm_head", "output")
 """Name fragments of 2-D parameters that the usual recipe gives to AdamW, not Muon."""

@@ -10,16 +10,17 @@ this with two param groups (``muon_param_groups(self)`` builds them)::
     ])
 
 Groups with ``use_muon=True`` follow ``Muon`` (same keys and defaults); the others follow
-``torch.optim.AdamW`` (``lr``, ``betas``, ``eps``, ``weight_decay``; ``torch.optim.AdamW``'s
-single-tensor math, element-wise on the local shards, so any granularity works).
+``torch.optim.AdamW`` (``lr``, ``betas``, ``eps``, ``weight_decay``), stepped by torch's own
+functional ``torch.optim.adamw.adamw`` with AdamW's defaults, element-wise on the local
+shards, so any granularity works.
 """
 
 from __future__ import annotations
 
-import math
 from typing import Any, Callable, Iterable
 
 import torch
+from torch.optim.adamw import adamw
 
 from lightning_ragged.optim.muon import Muon, split_muon_params
 from lightning_ragged.optim.shards import local_flat
@@ -74,23 +75,24 @@ class MuonWithAuxAdamW(Muon):
         return loss
 
     def _adamw_group(self, group: dict[str, Any]) -> None:
-        beta1, beta2 = group["betas"]
-        lr = group["lr"]
+        """``torch.optim.AdamW``'s step (its functional, its defaults) on the local flat shards."""
+        params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
         for param in group["params"]:
             if param.grad is None:
                 continue
-            flat, grad = local_flat(param), local_flat(param.grad)
+            flat = local_flat(param)
             state = self.state[param]
             if not state:
                 state["step"] = torch.tensor(0.0)
                 state["exp_avg"] = torch.zeros_like(flat)
                 state["exp_avg_sq"] = torch.zeros_like(flat)
-            state["step"] += 1
-            step = state["step"].item()
-            flat.mul_(1 - lr * group["weight_decay"])
-            state["exp_avg"].lerp_(grad, 1 - beta1)
-            state["exp_avg_sq"].mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-            bias_correction1 = 1 - beta1**step
-            bias_correction2_sqrt = math.sqrt(1 - beta2**step)
-            denom = (state["exp_avg_sq"].sqrt() / bias_correction2_sqrt).add_(group["eps"])
-            flat.addcdiv_(state["exp_avg"], denom, value=-lr / bias_correction1)
+            params.append(flat)
+            grads.append(local_flat(param.grad))
+            exp_avgs.append(state["exp_avg"])
+            exp_avg_sqs.append(state["exp_avg_sq"])
+            steps.append(state["step"])
+        beta1, beta2 = group["betas"]
+        adamw(
+            params, grads, exp_avgs, exp_avg_sqs, [], steps, amsgrad=False, beta1=beta1, beta2=beta2,
+            lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"], maximize=False,
+        )

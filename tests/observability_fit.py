@@ -22,7 +22,7 @@ from lightning.pytorch.loggers.logger import Logger  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
 import lightning_ragged as lr  # noqa: E402
-from lightning_ragged.observability.metrics import RaggedFSDPMetrics  # noqa: E402
+from lightning_ragged.lightning.callbacks import RaggedFSDPMetrics  # noqa: E402
 from tests.models import lm_loss, make_batches, make_model  # noqa: E402
 
 STEPS = 6

@@ -14,8 +14,13 @@ Nothing here runs on the training thread except two attribute assignments per st
   ``/health`` reads the heartbeats (a rank *reports* when its last step, or its start
   before the first step, is at most ``health_timeout`` seconds old; clocks are compared
   across hosts, so keep them in NTP sync) and answers 200 while every rank reports, 503
-  otherwise. ``/metrics`` renders, with ``prometheus_client``, the
-  cumulative counters (read live) and the per-step gauges of the last logging window.
+  otherwise. ``/metrics`` is ``prometheus_client``'s WSGI app (text or OpenMetrics
+  format by ``Accept``, gzip) over a registry holding one collector: the cumulative
+  counters (read live) and the per-step gauges of the last logging window.
+
+The server is ours, not ``prometheus_client.start_http_server``: that one starts a thread
+per connection, unbounded and without timeouts, so idle clients could pile up threads in
+the training process.
 
 ``RaggedFSDPMetrics(monitor_port=...)`` starts it at ``on_fit_start`` and stops it at
 ``on_fit_end``/``on_exception``/``teardown``; a plain loop can call ``start``/``stop``.
@@ -23,6 +28,7 @@ Nothing here runs on the training thread except two attribute assignments per st
 
 from __future__ import annotations
 
+import io
 import json
 import selectors
 import socket
@@ -30,23 +36,17 @@ import sys
 import threading
 import time
 import warnings
-from http.server import BaseHTTPRequestHandler, HTTPServer
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterable, Iterator, Optional
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
 
 import torch.distributed as dist
+from prometheus_client import CollectorRegistry, make_wsgi_app
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from lightning_ragged.engine.collective_errors import default_store
 from lightning_ragged.observability.metrics import PREFIX, EngineMetrics
 
 HEARTBEAT_KEY = "ragged_fsdp/heartbeat/"
-
-
-def _store() -> Optional[dist.Store]:
-    if not dist.is_available() or not dist.is_initialized():
-        return None
-    try:
-        return dist.distributed_c10d._get_default_store()
-    except (RuntimeError, ValueError, AttributeError):
-        return None
 
 
 class Monitor:
@@ -88,7 +88,10 @@ class Monitor:
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world_size = dist.get_world_size() if dist.is_initialized() else 1
         self.port: Optional[int] = None
-        self._store = _store()
+        self._store = default_store()
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(_Collector(self))
+        self._metrics_app = make_wsgi_app(registry)
         self._stop = threading.Event()
         self._heartbeat: Optional[threading.Thread] = None
         self._server: Optional[_BoundedHTTPServer] = None
@@ -114,17 +117,11 @@ class Monitor:
             self._start_server()
 
     def _start_server(self) -> None:
-        monitor = self
-
-        class Handler(_Handler):
-            pass
-
-        Handler.monitor = monitor
         server_class = _IPv6Server if ":" in self.address else _BoundedHTTPServer
         try:
             self._server = server_class(
                 (self.address, self.requested_port),
-                Handler,
+                _SilentHandler,
                 max_connections=self.max_connections,
                 connection_timeout=self.connection_timeout,
                 max_idle_connections=self.max_idle_connections,
@@ -138,6 +135,7 @@ class Monitor:
             )
             self._server = None
             return
+        self._server.set_app(self._app)
         self.port = self._server.server_address[1]
         self._server_thread = threading.Thread(
             target=self._server.serve_forever, kwargs={"poll_interval": 0.1}, name="ragged-fsdp-monitor", daemon=True
@@ -213,13 +211,26 @@ class Monitor:
             "health_timeout_s": self.health_timeout,
         }
 
-    # ----------------------------------------------------------- metrics
-    def prometheus_text(self) -> bytes:
-        from prometheus_client import CollectorRegistry, generate_latest
+    # ------------------------------------------------------------ routes
+    def _app(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+        """The WSGI app: ``/health`` is ours, ``/metrics`` is ``prometheus_client``'s."""
+        path = environ.get("PATH_INFO", "").rstrip("/")
+        try:
+            if path == "/metrics":
+                return self._metrics_app(environ, start_response)
+            if path == "/health":
+                health = self.health()
+                code = "503 Service Unavailable" if health["status"] == "stalled" else "200 OK"
+                return _reply(start_response, code, "application/json", json.dumps(health).encode())
+            return _reply(start_response, "404 Not Found", "text/plain", b"not found: try /health or /metrics\n")
+        except Exception as error:  # noqa: BLE001 - a monitoring bug must never reach training
+            body = f"{type(error).__name__}: {error}\n".encode()
+            return _reply(start_response, "500 Internal Server Error", "text/plain", body)
 
-        registry = CollectorRegistry(auto_describe=False)
-        registry.register(_Collector(self))
-        return generate_latest(registry)
+
+def _reply(start_response: Callable[..., Any], status: str, content_type: str, body: bytes) -> list[bytes]:
+    start_response(status, [("Content-Type", content_type), ("Content-Length", str(len(body)))])
+    return [body]
 
 
 class _Collector:
@@ -229,8 +240,6 @@ class _Collector:
         self.monitor = monitor
 
     def collect(self) -> Iterator[Any]:
-        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-
         monitor = self.monitor
         for key, value in monitor.metrics.totals().items():
             help_text = f"cumulative {key.replace('_', ' ')} of the sharded engine on rank {monitor.rank}"
@@ -264,34 +273,14 @@ class _Collector:
         yield from groups.values()
 
 
-class _Handler(BaseHTTPRequestHandler):
-    monitor: Monitor
-
-    def do_GET(self) -> None:  # noqa: N802 - http.server's naming
-        path = self.path.split("?", 1)[0].rstrip("/")
-        try:
-            if path == "/health":
-                health = self.monitor.health()
-                body = json.dumps(health).encode()
-                self._reply(503 if health["status"] == "stalled" else 200, "application/json", body)
-            elif path == "/metrics":
-                from prometheus_client import CONTENT_TYPE_LATEST
-
-                self._reply(200, CONTENT_TYPE_LATEST, self.monitor.prometheus_text())
-            else:
-                self._reply(404, "text/plain", b"not found: try /health or /metrics\n")
-        except Exception as error:  # noqa: BLE001 - a monitoring bug must never reach training
-            self._reply(500, "text/plain", f"{type(error).__name__}: {error}\n".encode())
-
-    def _reply(self, code: int, content_type: str, body: bytes) -> None:
-        self.send_response(code)
-        self.send_header("Content-Type", content_type)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
+class _SilentHandler(WSGIRequestHandler):
+    """wsgiref's handler without the access log and tracebacks on the training job's stderr."""
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
-        pass  # no access log on the training job's stderr
+        pass
+
+    def get_stderr(self) -> io.StringIO:
+        return io.StringIO()  # a client that went away mid-reply is not the job's error
 
 
 _BUSY_BODY = b"busy: too many connections to the lightning_ragged monitor; retry\n"
@@ -302,8 +291,8 @@ _BUSY = (
 )
 
 
-class _BoundedHTTPServer(HTTPServer):
-    """An HTTP server whose idle connections cost no thread and whose handler threads are bounded.
+class _BoundedHTTPServer(WSGIServer):
+    """A WSGI server whose idle connections cost no thread and whose handler threads are bounded.
 
     The serving thread waits, in one selector, for new connections and for the first bytes
     of every accepted one. A connection gets a handler thread only once its request has

@@ -1,0 +1,182 @@
+"""The Lightning callback of the engine metrics: logging, diagnostics and the opt-in endpoint.
+
+:class:`RaggedFSDPMetrics` (added by ``RaggedFSDPStrategy`` unless ``metrics=False``) logs
+:meth:`~lightning_ragged.observability.metrics.EngineMetrics.compute` through
+``trainer.loggers`` every ``log_every_n_steps`` and, with ``monitor_port``, serves them
+(:class:`~lightning_ragged.observability.monitor.Monitor`). The values are this rank's;
+rank 0 logs its own (no collective on the logging step).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch import nn
+
+from lightning_ragged.observability.copy_counter import CopyCounter
+from lightning_ragged.observability.metrics import EngineMetrics
+from lightning_ragged.observability.monitor import Monitor
+
+
+def _rank_zero(trainer: Any) -> bool:
+    return getattr(trainer, "global_rank", 0) == 0
+
+
+class RaggedFSDPMetrics(Callback):
+    """Logs the engine metrics through ``trainer.loggers`` and (opt-in) serves health and Prometheus metrics.
+
+    Args:
+        log_every_n_steps: defaults to the Trainer's ``log_every_n_steps``.
+        per_group: also log padding ratio and segment size of every group.
+        count_copies_every_n_steps: run :class:`~lightning_ragged.observability.copy_counter.CopyCounter`
+            over one whole training step every n steps (slow on that step; 0: off).
+        monitor_port: serve ``GET /health`` and ``GET /metrics`` on rank 0 at this port
+            (0: any free port, see ``monitor.port``); ``None``: no endpoint.
+        monitor_address: the address to bind (default loopback).
+        health_timeout: a rank counts as reporting if it finished a step this recently (seconds).
+        heartbeat_interval: how often every rank publishes its step to the store (seconds).
+        diagnostics: turn collective timeouts and OOMs at unshard into named errors.
+        collective_timeout: seconds named in timeout errors; default: the strategy's ``timeout``.
+        log_metrics: log through ``trainer.loggers`` (``False`` keeps only diagnostics and the endpoint).
+    """
+
+    def __init__(
+        self,
+        log_every_n_steps: Optional[int] = None,
+        *,
+        per_group: bool = True,
+        count_copies_every_n_steps: int = 0,
+        monitor_port: Optional[int] = None,
+        monitor_address: str = "127.0.0.1",
+        health_timeout: float = 300.0,
+        heartbeat_interval: float = 5.0,
+        diagnostics: bool = True,
+        collective_timeout: Optional[float] = None,
+        log_metrics: bool = True,
+    ) -> None:
+        self.log_every_n_steps = log_every_n_steps
+        self.per_group = per_group
+        self.count_copies_every_n_steps = count_copies_every_n_steps
+        self.monitor_port = monitor_port
+        self.monitor_address = monitor_address
+        self.health_timeout = health_timeout
+        self.heartbeat_interval = heartbeat_interval
+        self.diagnostics = diagnostics
+        self.collective_timeout = collective_timeout
+        self.log_metrics = log_metrics
+        self.metrics: Optional[EngineMetrics] = None
+        self.monitor: Optional[Monitor] = None
+        self.last_logged: dict[str, float] = {}
+        self._last_global_step = -1
+        self._copy_counter: Optional[CopyCounter] = None
+
+    # ------------------------------------------------------------ lifecycle
+    def on_fit_start(self, trainer: Any, pl_module: nn.Module) -> None:
+        model = getattr(trainer.strategy, "model", None) or pl_module
+        try:
+            self.metrics = EngineMetrics(model)
+        except ValueError:
+            rank_zero_warn("RaggedFSDPMetrics: the model is not sharded by lightning_ragged; no engine metrics.")
+            self.metrics = None
+            return
+        timeout = self.collective_timeout
+        if timeout is None:
+            strategy_timeout = getattr(trainer.strategy, "_timeout", None)
+            timeout = strategy_timeout.total_seconds() if hasattr(strategy_timeout, "total_seconds") else None
+        for p in self.metrics.probes:
+            p.diagnostics = self.diagnostics
+            p.collective_timeout = timeout
+        self.metrics.set_step(trainer.global_step)
+        self._last_global_step = trainer.global_step
+        if self.monitor_port is not None:
+            self.monitor = Monitor(
+                self.metrics,
+                port=self.monitor_port,
+                address=self.monitor_address,
+                health_timeout=self.health_timeout,
+                heartbeat_interval=self.heartbeat_interval,
+                serve=_rank_zero(trainer),
+                global_step=trainer.global_step,
+            )
+            self.monitor.start()
+
+    def on_train_epoch_start(self, trainer: Any, pl_module: nn.Module) -> None:
+        if self.metrics is not None:
+            self.metrics.restart_step_clock()
+
+    def on_validation_end(self, trainer: Any, pl_module: nn.Module) -> None:
+        if self.metrics is not None and trainer.training:
+            self.metrics.restart_step_clock()  # validation time is not step time
+
+    def on_train_batch_start(self, trainer: Any, pl_module: nn.Module, batch: Any, batch_idx: int) -> None:
+        if self.metrics is None:
+            return
+        self.metrics.set_step(trainer.global_step)
+        n = self.count_copies_every_n_steps
+        if n and self._copy_counter is None and trainer.global_step % n == 0:
+            self._copy_counter = CopyCounter()
+            self._copy_counter.__enter__()
+
+    def on_train_batch_end(self, trainer: Any, pl_module: nn.Module, outputs: Any, batch: Any, batch_idx: int) -> None:
+        metrics = self.metrics
+        if metrics is None or trainer.global_step == self._last_global_step:
+            return  # a non-final micro-batch of gradient accumulation
+        self._last_global_step = step = trainer.global_step
+        copy_bytes = None
+        if self._copy_counter is not None:
+            self._copy_counter.__exit__(None, None, None)
+            copy_bytes, self._copy_counter = self._copy_counter.total_bytes, None
+        metrics.end_step(copy_bytes)
+        if self.monitor is not None:
+            self.monitor.step_finished(step)
+        every = self.log_every_n_steps or trainer.log_every_n_steps
+        if every and step % every == 0:
+            self._publish(trainer, step)
+
+    def _publish(self, trainer: Any, step: int) -> None:
+        assert self.metrics is not None
+        values = self.metrics.compute(per_group=self.per_group)
+        self.last_logged = values
+        if self.monitor is not None:
+            self.monitor.update(values)
+        if self.log_metrics and _rank_zero(trainer):
+            for logger in trainer.loggers:
+                logger.log_metrics(values, step=step)
+
+    def on_fit_end(self, trainer: Any, pl_module: nn.Module) -> None:
+        self._stop()
+
+    def on_exception(self, trainer: Any, pl_module: nn.Module, exception: BaseException) -> None:
+        self._stop()
+
+    def teardown(self, trainer: Any, pl_module: nn.Module, stage: str) -> None:
+        self._stop()
+
+    def _stop(self) -> None:
+        if self._copy_counter is not None:
+            self._copy_counter.__exit__(None, None, None)
+            self._copy_counter = None
+        if self.monitor is not None:
+            self.monitor.stop()
+            self.monitor = None
+
+
+def add_metrics_callback(
+    trainer: Any, metrics: bool = True, diagnostics: bool = True, **kwargs: Any
+) -> Optional[RaggedFSDPMetrics]:
+    """Append a :class:`RaggedFSDPMetrics` to ``trainer.callbacks`` unless one is there (idempotent).
+
+    ``RaggedFSDPStrategy.setup`` calls it. ``metrics=False`` turns the logging off but keeps
+    the diagnostics (and the endpoint, if ``monitor_port`` is given); with everything off
+    it adds nothing. ``kwargs`` go to the callback (``monitor_port``, ``monitor_address``...).
+    """
+    for callback in trainer.callbacks:
+        if isinstance(callback, RaggedFSDPMetrics):
+            return callback
+    if not metrics and not diagnostics and kwargs.get("monitor_port") is None:
+        return None
+    callback = RaggedFSDPMetrics(log_metrics=metrics, diagnostics=diagnostics, **kwargs)
+    trainer.callbacks.append(callback)
+    return callback

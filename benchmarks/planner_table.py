@@ -1,8 +1,9 @@
 """Plan one transformer block of production models and report plan time, segment size and padding.
 
 One block is one FSDP group. Shapes are those of the plan CLI's presets
-(``lightning_ragged.cli.plan.PRESETS``: the fields of the models' public
-``config.json`` files that the shapes need). Run from the repository
+(``lightning_ragged.cli.model_groups.PRESETS``: the fields of the models' public
+``config.json`` files that shape the parameters), built on the meta device by
+``transformers`` and grouped as ``fully_shard`` groups them. Run from the repository
 root: ``python benchmarks/planner_table.py``; it prints the table and rewrites the
 "planner" section of ``benchmarks/RESULTS.md``.
 
@@ -30,8 +31,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from report import write_section  # noqa: E402
 
-from lightning_ragged.cli.plan import PRESETS, Shapes, describe_model  # noqa: E402
-from lightning_ragged.layout.planner import TensorSpec, plan, segment_lower_bound  # noqa: E402
+from lightning_ragged.cli.model_groups import PRESETS, Shapes, describe_model  # noqa: E402
+from lightning_ragged import TensorSpec, plan  # noqa: E402
+from lightning_ragged.layout.packing import segment_lower_bound  # noqa: E402
 
 WORLD_SIZES = (64, 1024, 10_000)
 ROW_MULTIPLES = (1, 16, 128)
@@ -42,7 +44,7 @@ PADDING_TARGET = 0.03  # at 1x and 16x rows
 
 
 def decoder_block(preset: str, experts: str | None = None) -> Shapes:
-    """One decoder block (one FSDP group) of a ``plan_cli`` preset; the MoE block of a model with dense ones too."""
+    """One decoder block (one FSDP group) of a plan CLI preset; the MoE block of a model with dense ones too."""
     groups = describe_model(PRESETS[preset], preset, experts).groups
     return [kind for kind in groups if kind.name != "root"][-1].shapes
 

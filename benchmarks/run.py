@@ -106,14 +106,16 @@ def put_first(name: str, markdown: str, path: Path) -> None:
 
 def draw_planner_plots() -> list[str]:
     from lightning_ragged.cli import plan as plan_cli
+    from lightning_ragged.cli.model_groups import describe_model, load_config
+
     notes = []
     PLOT_DIR.mkdir(parents=True, exist_ok=True)
     for preset in PLOT_PRESETS:
         out = PLOT_DIR / f"padding_{preset}.png"
         args = plan_cli.parser().parse_args(["--config", preset, "--world-size", "64", "--alignment", "16"])
         report = plan_cli.build_report(args)
-        name, config = plan_cli.load_config(preset)
-        notes.append(f"{preset}: " + plan_cli.plot_padding(report, plan_cli.describe_model(config, name), str(out), args))
+        name, config = load_config(preset)
+        notes.append(f"{preset}: " + plan_cli.plot_padding(report, describe_model(config, name), str(out), args))
     return notes
 
 

@@ -3,8 +3,9 @@
 ``python -m lightning_ragged.plan --config <config.json | llama3-70b | deepseek-v3 | gpt-oss-120b>
 --world-size N [--granularity row] [--replicate-degree R] [--plot padding.png] [--json]``
 
-For every distinct FSDP group of the model (one transformer block per group, identical
-blocks counted once; embeddings, final norm and head form the root group) it runs the
+For every distinct FSDP group of the model (the groups ``fully_shard`` forms: one
+transformer block per group, identical blocks counted once; embeddings, final norm and
+head form the root group, one DBuffer before the blocks and one after) it runs the
 same planner ``fully_shard`` runs (:func:`lightning_ragged.layout.planner.plan`, granularity
 from :func:`lightning_ragged.layout.granularity.resolve_granularity`) and prints the segment
 size S, the padding, the block cuts avoided and the plan time, then the per-rank memory
@@ -12,67 +13,20 @@ estimate. "Block cuts avoided" counts the rank boundaries of an even flat split 
 same group (FSDP1/ZeRO style: segments of ``ceil(total / ranks)``) that would fall
 inside a block of the chosen granularity; the ragged plan has none by construction.
 
-The model is read from a Hugging Face ``config.json`` (Llama/Mistral/Qwen2-style dense
-models, DeepSeek-V3, GPT-OSS) or a named preset; no weights are needed.
+The model is built on the meta device by ``transformers`` from a Hugging Face
+``config.json`` or a named preset (:mod:`lightning_ragged.cli.model_groups`); no weights
+are needed and nothing is downloaded.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import time
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Optional, Sequence
 
-Shapes = list[tuple[str, tuple[int, ...]]]
-
-PRESETS: dict[str, dict[str, Any]] = {
-    # Public config.json values of each model (only the fields the shapes need).
-    "llama3-70b": {
-        "model_type": "llama",
-        "hidden_size": 8192,
-        "intermediate_size": 28672,
-        "num_attention_heads": 64,
-        "num_key_value_heads": 8,
-        "num_hidden_layers": 80,
-        "vocab_size": 128256,
-        "tie_word_embeddings": False,
-    },
-    "deepseek-v3": {
-        "model_type": "deepseek_v3",
-        "hidden_size": 7168,
-        "intermediate_size": 18432,
-        "moe_intermediate_size": 2048,
-        "n_routed_experts": 256,
-        "n_shared_experts": 1,
-        "num_attention_heads": 128,
-        "q_lora_rank": 1536,
-        "kv_lora_rank": 512,
-        "qk_nope_head_dim": 128,
-        "qk_rope_head_dim": 64,
-        "v_head_dim": 128,
-        "num_hidden_layers": 61,
-        "first_k_dense_replace": 3,
-        "vocab_size": 129280,
-        "tie_word_embeddings": False,
-    },
-    "gpt-oss-120b": {
-        "model_type": "gpt_oss",
-        "hidden_size": 2880,
-        "intermediate_size": 2880,
-        "num_attention_heads": 64,
-        "head_dim": 64,
-        "num_key_value_heads": 8,
-        "num_local_experts": 128,
-        "num_hidden_layers": 36,
-        "vocab_size": 201088,
-        "attention_bias": True,
-        "tie_word_embeddings": False,
-    },
-}
+from lightning_ragged.cli.model_groups import PRESETS, ModelDescription, describe_model, load_config
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
 OPTIMIZER_STATE_BYTES = {
@@ -84,173 +38,6 @@ OPTIMIZER_STATE_BYTES = {
     "none": 0.0,
 }
 GRANULARITIES = ("element", "row", "block", "matrix")
-
-
-@dataclass
-class GroupKind:
-    """One distinct FSDP group of a model and how many identical copies it has."""
-
-    name: str
-    count: int
-    shapes: Shapes
-
-
-@dataclass
-class ModelDescription:
-    name: str
-    groups: list[GroupKind] = field(default_factory=list)
-
-    @property
-    def total_params(self) -> int:
-        return sum(kind.count * sum(math.prod(shape) for _, shape in kind.shapes) for kind in self.groups)
-
-
-# ------------------------------------------------------------------------ model shapes
-def _attention(config: dict[str, Any]) -> Shapes:
-    hidden = config["hidden_size"]
-    heads = config["num_attention_heads"]
-    head_dim = config.get("head_dim") or hidden // heads
-    kv = config.get("num_key_value_heads", heads) * head_dim
-    q = heads * head_dim
-    if config.get("model_type") == "gpt_oss" or config.get("attention_bias"):
-        return [
-            ("q_proj.weight", (q, hidden)),
-            ("q_proj.bias", (q,)),
-            ("k_proj.weight", (kv, hidden)),
-            ("k_proj.bias", (kv,)),
-            ("v_proj.weight", (kv, hidden)),
-            ("v_proj.bias", (kv,)),
-            ("o_proj.weight", (hidden, q)),
-            ("o_proj.bias", (hidden,)),
-        ]
-    return [("q_proj", (q, hidden)), ("k_proj", (kv, hidden)), ("v_proj", (kv, hidden)), ("o_proj", (hidden, q))]
-
-
-def _dense_block(config: dict[str, Any], intermediate: Optional[int] = None) -> Shapes:
-    hidden = config["hidden_size"]
-    inter = intermediate or config["intermediate_size"]
-    return (
-        [("input_layernorm", (hidden,))]
-        + _attention(config)
-        + [
-            ("post_attention_layernorm", (hidden,)),
-            ("gate_proj", (inter, hidden)),
-            ("up_proj", (inter, hidden)),
-            ("down_proj", (hidden, inter)),
-        ]
-    )
-
-
-def _deepseek_attention(config: dict[str, Any]) -> Shapes:
-    hidden, heads = config["hidden_size"], config["num_attention_heads"]
-    q_rank, kv_rank = config["q_lora_rank"], config["kv_lora_rank"]
-    nope, rope, v = config["qk_nope_head_dim"], config["qk_rope_head_dim"], config["v_head_dim"]
-    return [
-        ("input_layernorm", (hidden,)),
-        ("q_a_proj", (q_rank, hidden)),
-        ("q_a_layernorm", (q_rank,)),
-        ("q_b_proj", (heads * (nope + rope), q_rank)),
-        ("kv_a_proj_with_mqa", (kv_rank + rope, hidden)),
-        ("kv_a_layernorm", (kv_rank,)),
-        ("kv_b_proj", (heads * (nope + v), kv_rank)),
-        ("o_proj", (hidden, heads * v)),
-        ("post_attention_layernorm", (hidden,)),
-    ]
-
-
-def _deepseek_moe_block(config: dict[str, Any], experts: str) -> Shapes:
-    hidden, inter, n = config["hidden_size"], config["moe_intermediate_size"], config["n_routed_experts"]
-    shared = config.get("n_shared_experts", 1) * inter
-    shapes = _deepseek_attention(config) + [
-        ("gate.weight", (n, hidden)),
-        ("shared_experts.gate_proj", (shared, hidden)),
-        ("shared_experts.up_proj", (shared, hidden)),
-        ("shared_experts.down_proj", (hidden, shared)),
-    ]
-    if experts == "fused":
-        return shapes + [("experts.gate_up_proj", (n, 2 * inter, hidden)), ("experts.down_proj", (n, hidden, inter))]
-    for expert in range(n):
-        shapes += [
-            (f"experts.{expert}.gate_proj", (inter, hidden)),
-            (f"experts.{expert}.up_proj", (inter, hidden)),
-            (f"experts.{expert}.down_proj", (hidden, inter)),
-        ]
-    return shapes
-
-
-def _gpt_oss_block(config: dict[str, Any], experts: str) -> Shapes:
-    hidden, inter, n = config["hidden_size"], config["intermediate_size"], config["num_local_experts"]
-    shapes = [("input_layernorm", (hidden,))] + _attention(config)
-    shapes += [
-        ("sinks", (config["num_attention_heads"],)),
-        ("post_attention_layernorm", (hidden,)),
-        ("router.weight", (n, hidden)),
-        ("router.bias", (n,)),
-    ]
-    if experts == "fused":
-        return shapes + [
-            ("experts.gate_up_proj", (n, hidden, 2 * inter)),
-            ("experts.gate_up_proj_bias", (n, 2 * inter)),
-            ("experts.down_proj", (n, inter, hidden)),
-            ("experts.down_proj_bias", (n, hidden)),
-        ]
-    for expert in range(n):
-        shapes += [
-            (f"experts.{expert}.gate_up_proj", (2 * inter, hidden)),
-            (f"experts.{expert}.gate_up_proj_bias", (2 * inter,)),
-            (f"experts.{expert}.down_proj", (hidden, inter)),
-            (f"experts.{expert}.down_proj_bias", (hidden,)),
-        ]
-    return shapes
-
-
-def describe_model(config: dict[str, Any], name: str = "model", experts: Optional[str] = None) -> ModelDescription:
-    """The FSDP groups of a Hugging Face-style config: one group per decoder block, plus the root group."""
-    model_type = config.get("model_type", "llama")
-    hidden, layers = config["hidden_size"], config["num_hidden_layers"]
-    description = ModelDescription(name)
-    if model_type == "deepseek_v3":
-        dense = min(config.get("first_k_dense_replace", 0), layers)
-        experts = experts or "separate"
-        if dense:
-            dense_shapes = _deepseek_attention(config)
-            inter = config["intermediate_size"]
-            dense_shapes += [("gate_proj", (inter, hidden)), ("up_proj", (inter, hidden)), ("down_proj", (hidden, inter))]
-            description.groups.append(GroupKind("layers (dense)", dense, dense_shapes))
-        if layers - dense:
-            description.groups.append(
-                GroupKind(f"layers (MoE, experts {experts})", layers - dense, _deepseek_moe_block(config, experts))
-            )
-    elif model_type == "gpt_oss":
-        experts = experts or "fused"
-        description.groups.append(GroupKind(f"layers (MoE, experts {experts})", layers, _gpt_oss_block(config, experts)))
-    elif "num_local_experts" in config or "num_experts" in config or "n_routed_experts" in config:
-        raise ValueError(
-            f"model_type {model_type!r}: mixture-of-experts configs other than deepseek_v3 and gpt_oss are not "
-            "described yet; pass a dense config or one of the presets"
-        )
-    else:
-        description.groups.append(GroupKind("layers", layers, _dense_block(config)))
-    root: Shapes = [("embed_tokens", (config["vocab_size"], hidden)), ("norm", (hidden,))]
-    if not config.get("tie_word_embeddings", False):
-        root.append(("lm_head", (config["vocab_size"], hidden)))
-    description.groups.append(GroupKind("root", 1, root))
-    return description
-
-
-def load_config(source: str) -> tuple[str, dict[str, Any]]:
-    """(name, config) of a preset name or a path to a ``config.json``."""
-    key = source.lower()
-    if key in PRESETS:
-        return key, dict(PRESETS[key])
-    path = Path(source)
-    if path.is_dir():
-        path = path / "config.json"
-    if not path.exists():
-        raise SystemExit(f"--config {source!r}: neither a preset ({', '.join(PRESETS)}) nor a config.json file")
-    config = json.loads(path.read_text())
-    config = config.get("text_config", config)  # multimodal configs nest the language model
-    return path.parent.name or path.stem, config
 
 
 # ------------------------------------------------------------------------- planning
@@ -290,18 +77,21 @@ def plan_model(
     dbuffer_size: Optional[int] = None,
     master_bytes: int = 4,
 ) -> list[dict[str, Any]]:
-    """Plan every distinct group; one dict per group kind with one entry per DBuffer."""
+    """Plan every distinct group; one dict per group kind with one entry per DBuffer (per run, split by size)."""
     import torch
     from torch import nn
 
     from lightning_ragged.engine.grouping import split_into_dbuffers
-    from lightning_ragged.layout.planner import TensorSpec, plan
+    from lightning_ragged.layout.planner import plan
+    from lightning_ragged.layout.spec import TensorSpec
 
     master = {4: torch.float32, 2: torch.bfloat16, 1: torch.float8_e4m3fn}[master_bytes]
     results = []
     for kind in description.groups:
-        params = [(name, nn.Parameter(torch.empty(shape, device="meta", dtype=master))) for name, shape in kind.shapes]
-        dbuffers = split_into_dbuffers(params, dbuffer_size) if dbuffer_size else [params]
+        dbuffers = []
+        for run in kind.runs:
+            params = [(name, nn.Parameter(torch.empty(shape, device="meta", dtype=master))) for name, shape in run]
+            dbuffers += split_into_dbuffers(params, dbuffer_size) if dbuffer_size else [params]
         planned = []
         for dbuffer in dbuffers:
             specs = [
@@ -398,7 +188,10 @@ def render_table(report: dict[str, Any]) -> str:
 
 def build_report(args: argparse.Namespace) -> dict[str, Any]:
     name, config = load_config(args.config)
-    description = describe_model(config, name, args.experts)
+    try:
+        description = describe_model(config, name, args.experts)
+    except ValueError as error:  # a model_type or architecture transformers does not know
+        raise SystemExit(f"--config {args.config!r}: {error}") from None
     if args.world_size % args.replicate_degree:
         raise SystemExit(f"--replicate-degree {args.replicate_degree} must divide --world-size {args.world_size}")
     shard_world = args.world_size // args.replicate_degree
@@ -513,7 +306,13 @@ def parser() -> argparse.ArgumentParser:
         help="split groups into DBuffers of at most this many bytes, as fully_shard(dbuffer_size=...) does "
         "(default: one DBuffer per group)",
     )
-    p.add_argument("--experts", choices=("fused", "separate"), default=None, help="MoE expert tensors (default: HF)")
+    p.add_argument(
+        "--experts",
+        choices=("fused", "separate"),
+        default=None,
+        help="MoE expert tensors: fused as the transformers modules hold them (default), or separate: one tensor "
+        "per expert matrix, as checkpoints store them",
+    )
     p.add_argument("--master-dtype", choices=tuple(DTYPE_BYTES), default="fp32")
     p.add_argument("--param-dtype", choices=tuple(DTYPE_BYTES), default="bf16", help="compute dtype (all-gathered)")
     p.add_argument("--optimizer", choices=tuple(OPTIMIZER_STATE_BYTES), default="adamw")

@@ -1,18 +1,13 @@
 """lightning_ragged: veScale-style FSDP with ragged, structure-aware shards for PyTorch Lightning."""
 
 from lightning_ragged.layout.errors import DBufferAlignmentError, RaggedShardBoundaryViolation
-from lightning_ragged.engine.api import (
-    fully_shard,
-    full_state_dict,
-    get_state,
-    load_full_state_dict,
-    no_sync,
-    set_requires_gradient_sync,
-)
+from lightning_ragged.engine.api import fully_shard, get_state, no_sync, set_requires_gradient_sync
+from lightning_ragged.engine.state_dict import full_state_dict, load_full_state_dict
 from lightning_ragged.engine.fsdp_module import FSDPModule
 from lightning_ragged.engine.grad_clip import clip_grad_norm_, clip_grad_value_
-from lightning_ragged.layout.planner import Layout, TensorSpec, plan
+from lightning_ragged.layout.planner import plan
 from lightning_ragged.layout.ragged_shard import RaggedShard
+from lightning_ragged.layout.spec import Layout, TensorSpec
 from lightning_ragged.lightning.registration import register_ragged_fsdp
 from lightning_ragged.engine.wrapper import FullyShardedDataParallel
 

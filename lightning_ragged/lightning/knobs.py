@@ -13,7 +13,7 @@ instead, e.g.::
 Checks that need the world size or the model (``replicate_degree`` dividing the world,
 ``reshard_after_forward`` dividing the shard group, class names in ``group_modules``) stay
 in ``setup``. The choices come from the engine (``granularity.POLICIES``,
-``planning.ALGORITHMS``, ``dbuffer.REDUCE_MODES``) and its own checks are reused.
+``layout.planner.ALGORITHMS``, ``collectives.REDUCE_MODES``) and its own checks are reused.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from typing import Any, Callable, Mapping, NoReturn
 import torch.distributed as dist
 from torch import nn
 
-from lightning_ragged.engine.dbuffer import REDUCE_MODES
+from lightning_ragged.engine.collectives import REDUCE_MODES
 from lightning_ragged.engine.api import fully_shard
 from lightning_ragged.layout.granularity import POLICIES, check_block_rows, check_policy
 from lightning_ragged.engine.grouping import _check_dbuffer_size
@@ -188,9 +188,11 @@ def _replicate_degree(value: Any) -> None:
         _refuse("must be a positive int or 'node'", fix)
 
 
-def _state_dict_type(value: Any) -> None:
-    from lightning_ragged.lightning.strategy import STATE_DICT_TYPES  # loaded: only the strategy calls this
+STATE_DICT_TYPES = ("sharded", "full")
+"""What ``state_dict_type`` may be: DCP directories of shards, or one consolidated file."""
 
+
+def _state_dict_type(value: Any) -> None:
     _choice("state_dict_type", value, STATE_DICT_TYPES, "sharded")
 
 

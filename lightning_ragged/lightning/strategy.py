@@ -54,21 +54,19 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 import lightning.pytorch as pl
-from lightning_ragged.checkpoint.core import LightningCheckpointIO, release_meshes
+from lightning_ragged.checkpoint.dcp import release_meshes
 from lightning_ragged.engine.api import DEFAULT_DBUFFER_SIZE, fully_shard, get_state, no_sync
 from lightning_ragged.layout.granularity import GranularityPolicy
+from lightning_ragged.lightning.callbacks import add_metrics_callback
+from lightning_ragged.lightning.checkpoint_io import LightningCheckpointIO
 from lightning_ragged.lightning.knobs import check_strategy_knobs
 from lightning_ragged.engine.meta_init import has_meta_tensors, materialize_meta_module
-from lightning_ragged.observability.metrics import add_metrics_callback
 from lightning_ragged.lightning.preemption import attach as attach_slurm_requeue
 from lightning_ragged.lightning.model_summary import use_global_parameter_counts
 from lightning_ragged.lightning.precision import to_ragged_precision
 
 ModuleSpec = Union[type, str]
 """A module class, a dotted import path ``"pkg.mod.Class"``, or a bare class name matched in the model."""
-
-STATE_DICT_TYPES = ("sharded", "full")
-
 
 class RaggedFSDPStrategy(ParallelStrategy):
     """Fully sharded data parallel with ragged, structure-aware shards (veScale-FSDP) for Lightning.
@@ -79,7 +77,7 @@ class RaggedFSDPStrategy(ParallelStrategy):
             ``(name, param) -> elements``.
         block_rows: rows per block for ``shard_granularity="block"``.
         dbuffer_size: the largest flat buffer (bytes) of one group; bigger groups are split.
-        planning_algorithm: the layout planner (``"optimal"`` by default; see ``planning.py``).
+        planning_algorithm: the layout planner (``"optimal"`` by default; see ``layout/planner.py``).
         reshard_after_forward: free each group's full parameters after its forward (ZeRO-3)
             or keep them until backward (ZeRO-2-like, more memory, one all-gather less).
         group_modules: module classes (or names) whose instances each form one FSDP group;
@@ -464,7 +462,7 @@ class RaggedFSDPStrategy(ParallelStrategy):
         return tensor
 
     # ---------------------------------------------------------- checkpoints
-    # All checkpoint behaviour lives in `lightning_ragged/checkpoint/core.py` (issue 5).
+    # All checkpoint behaviour lives in `lightning/checkpoint_io.py`, over `lightning_ragged/checkpoint/` (issue 5).
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """DTensor views of this rank's shards (no gather); every rank calls it and writes its own part."""
         assert self.model is not None
@@ -507,13 +505,13 @@ class RaggedFSDPStrategy(ParallelStrategy):
         """A no-op after ``load_checkpoint`` (it loaded the shards); else a full state dict is sliced in."""
         assert self.model is not None
         if "state_dict" in checkpoint:
-            from lightning_ragged.checkpoint.core import load_full_model_state_dict
+            from lightning_ragged.checkpoint.model_state import load_full_model_state_dict
 
             load_full_model_state_dict(self.model, checkpoint["state_dict"], strict=strict)
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         """A no-op after ``load_checkpoint``; else full (consolidated) optimizer states are sliced in."""
-        from lightning_ragged.checkpoint.core import load_full_optimizer_state_dict
+        from lightning_ragged.checkpoint.optimizer_state import load_full_optimizer_state_dict
 
         for optimizer, state in zip(self.optimizers, checkpoint.get("optimizer_states") or []):
             load_full_optimizer_state_dict(self.model, optimizer, state)

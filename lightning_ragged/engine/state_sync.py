@@ -33,7 +33,7 @@ from torch import nn
 
 from lightning_ragged.engine.dbuffer import DBuffer
 
-BROADCAST_BUCKET_BYTES = 250 * 2**20
+BROADCAST_CHUNK_BYTES = 250 * 2**20
 """Bytes per coalesced broadcast (DDP's ``broadcast_bucket_size``)."""
 
 
@@ -80,15 +80,15 @@ class BufferSync:
     def __init__(
         self,
         module: nn.Module,
-        shard_group: dist.ProcessGroup | None,
+        process_group: dist.ProcessGroup | None,
         replicate_group: dist.ProcessGroup | None = None,
-        bucket_bytes: int = BROADCAST_BUCKET_BYTES,
+        chunk_bytes: int = BROADCAST_CHUNK_BYTES,
     ) -> None:
         self.module = module
-        self.groups: list[dist.ProcessGroup | None] = [shard_group]  # None: the world
+        self.groups: list[dist.ProcessGroup | None] = [process_group]  # None: the world
         if replicate_group is not None:
             self.groups.append(replicate_group)
-        self.bucket_bytes = bucket_bytes
+        self.chunk_bytes = chunk_bytes
         self.has_buffers = any(True for _ in module.buffers())
         """Decided at construction, as DDP: a model without buffers never issues a collective."""
         self.broadcasts = 0
@@ -108,7 +108,7 @@ class BufferSync:
         with torch.no_grad(), _preserve_versions(buffers):
             for group in self.groups:
                 if _size(group) > 1:
-                    dist._broadcast_coalesced(group or _world(), buffers, self.bucket_bytes, 0)
+                    dist._broadcast_coalesced(group or _world(), buffers, self.chunk_bytes, 0)
         self.broadcasts += 1
 
 
@@ -119,11 +119,11 @@ def _world() -> dist.ProcessGroup:
 def sync_params_and_buffers(
     module: nn.Module,
     dbuffers_and_params: Iterator[tuple[DBuffer, Sequence[tuple[str, torch.Tensor]]]],
-    shard_group: dist.ProcessGroup | None,
+    process_group: dist.ProcessGroup | None,
     replicate_group: dist.ProcessGroup | None,
 ) -> None:
     """``fully_shard(sync_module_states=True)``: rank 0's parameters (per DBuffer) and buffers everywhere."""
     for dbuffer, params in dbuffers_and_params:
         if not any(p.is_meta for _, p in params):
             scatter_from_rank0(dbuffer, params)
-    BufferSync(module, shard_group, replicate_group).broadcast()
+    BufferSync(module, process_group, replicate_group).broadcast()

@@ -195,7 +195,7 @@ class Muon(RaggedOptimizer):
         for job in jobs:
             by_group.setdefault(id(job.shard.process_group), []).append(job)
         for group_jobs in by_group.values():
-            self._step_shard_group(group_jobs)
+            self._step_process_group(group_jobs)
 
     def _assign_roots(self, jobs: list[_Job]) -> MuonPlan:
         """Owners keep whole matrices; split ones go, largest first, to the least-loaded rank."""
@@ -220,7 +220,7 @@ class Muon(RaggedOptimizer):
             plan.split += 1
         return plan
 
-    def _step_shard_group(self, jobs: list[_Job]) -> None:
+    def _step_process_group(self, jobs: list[_Job]) -> None:
         me = jobs[0].shard.rank
         world = jobs[0].shard.world_size
         pg = jobs[0].shard.process_group

@@ -56,6 +56,8 @@ def fully_shard(
     device: torch.device | str | None = None,
     sync_module_states: bool = True,
     broadcast_buffers: bool = True,
+    keep_last_unsharded: bool = False,
+    max_inflight_all_gathers: int = 1,
 ) -> nn.Module:
     """Shard ``module``'s parameters over ``process_group`` with ragged, structure-aware shards.
 
@@ -75,6 +77,12 @@ def fully_shard(
     ``broadcast_buffers`` (DDP's name and default): broadcast the buffers (e.g. BatchNorm
     running statistics) from rank 0 before each root forward that follows a synchronized
     training step; nothing is issued for a model without buffers. See ``state_sync.py``.
+    ``keep_last_unsharded``: the group whose forward ran last in the previous step is not
+    resharded after its forward (its backward runs first and would re-gather it at once):
+    one all-gather fewer per step from the second step on, at the cost of that group's full
+    buffer held through the loss. ``max_inflight_all_gathers`` (default 1, as FSDP2): how many
+    groups, in the recorded order, are all-gathered ahead of the running one; each costs one
+    more full buffer alive (explicit ``set_modules_to_*_prefetch`` lists are taken as given).
     """
     existing = module.__dict__.get("_ragged_fsdp_state")
     if existing is not None:
@@ -87,9 +95,17 @@ def fully_shard(
         raise RuntimeError("fully_shard needs torch.distributed initialized (e.g. dist.init_process_group('gloo'))")
     world_size = dist.get_world_size(process_group)
     reshard_after_forward = _check_reshard_after_forward(reshard_after_forward, world_size)
-    for knob, flag in (("sync_module_states", sync_module_states), ("broadcast_buffers", broadcast_buffers)):
+    flags = (("sync_module_states", sync_module_states), ("broadcast_buffers", broadcast_buffers),
+             ("keep_last_unsharded", keep_last_unsharded))
+    for knob, flag in flags:
         if not isinstance(flag, bool):
             raise TypeError(f"{knob}={flag!r} must be a bool: pass {knob}=True or {knob}=False")
+    if isinstance(max_inflight_all_gathers, bool) or not isinstance(max_inflight_all_gathers, int) \
+            or max_inflight_all_gathers < 0:
+        raise ValueError(
+            f"max_inflight_all_gathers={max_inflight_all_gathers!r} must be an int >= 0 (0: no prefetch, "
+            "1: one group ahead as FSDP2, more: more overlap for one more full buffer each)"
+        )
     children = _child_states(module)
     if children and group_modules is not None:
         raise ValueError(
@@ -165,6 +181,8 @@ def fully_shard(
     del built
     state = RaggedFSDPState(module, _in_module_order(module, adopted + new_groups), stats)
     state.buffer_sync = BufferSync(module, process_group, replicate_group) if broadcast_buffers else None
+    state.keep_last_unsharded = keep_last_unsharded
+    state.max_inflight_all_gathers = max_inflight_all_gathers
     for group in new_groups:
         group.reshard()
     _install_hooks(state)

@@ -18,6 +18,11 @@ import torch.distributed as dist
 
 REDUCE_MODES = ("all_reduce", "reduce_scatter")
 
+# torch 2.13 renamed the flat collectives (the old names still work there, deprecated);
+# the new names where they exist, the old ones on torch 2.9-2.12.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 @dataclass
 class CommStats:
@@ -67,7 +72,7 @@ def all_gather(
 
     ``started``: when the caller began (its allocation and cast count as time in flight).
     """
-    work = dist.all_gather_single(target, source, group=group, async_op=async_op)
+    work = _all_gather_single(target, source, group=group, async_op=async_op)
     return PendingCollective(work, time.perf_counter() if started is None else started, source)
 
 
@@ -84,7 +89,7 @@ def reduce(
         own_segment = full[segment]
     else:
         own_segment = torch.empty(segment.stop - segment.start, dtype=full.dtype, device=full.device)
-        work = dist.reduce_scatter_single(own_segment, full, group=group, async_op=async_op)
+        work = _reduce_scatter_single(own_segment, full, group=group, async_op=async_op)
     return PendingCollective(work, started, full, own_segment)
 
 

@@ -7,8 +7,14 @@ Three flat tensors laid out by the planner:
 * ``unsharded`` (size m·S, compute dtype): allocated at unshard, freed at reshard. The
   module's parameters are fixed, original-shape views into it, so the all-gather
   writes every parameter in place: no copy-in, no copy-out.
-* ``unsharded_grad`` (size m·S, compute dtype): autograd accumulates each parameter's
-  gradient straight into its view; the collective reads the flat buffer as is.
+* ``unsharded_grad`` (size m·S, reduce dtype): allocated when the first gradient of the
+  DBuffer arrives (autograd's post-accumulate hook), not at the group's backward pre-hook,
+  so no buffer waits through the backward of the groups before it; the collective reads it
+  as is. With equal compute and reduce dtypes it is zeroed then and every ``param.grad``
+  points at its view, so autograd accumulates in place (no copy). With a reduce dtype of its
+  own each gradient lands by one cast-copy into its view (later ones of the same parameter
+  by ``add_``) and only what no gradient writes is zeroed: the padding at allocation, the
+  parameters no gradient reached before the reduction; no zero-fill, no separate cast.
 
 Storage is freed and re-allocated with ``untyped_storage().resize_`` so the views (and
 tensors autograd saved) stay valid across reshard/unshard. Group-level work (zeroing,
@@ -18,7 +24,7 @@ A DBuffer whose parameters are all frozen (``requires_grad=False``) never alloca
 gradient buffer and is never reduced; that is decided at every backward from the
 parameters' current flags, so ``requires_grad_`` between steps takes effect at the next one.
 Gradients follow DDP: a parameter no rank used in a backward keeps ``grad is None``;
-``no_sync`` micro-batches accumulate in the reduce dtype.
+``no_sync`` micro-batches accumulate in the gradient buffer, in the reduce dtype.
 
 The collective calls themselves are in ``collectives.py``. Observers (``events.py``) in
 ``observers`` hear of every all-gather, reduction and buffer (de)allocation.
@@ -27,6 +33,7 @@ The collective calls themselves are in ``collectives.py``. Observers (``events.p
 from __future__ import annotations
 
 import time
+import weakref
 from typing import Sequence
 
 import torch
@@ -80,11 +87,15 @@ class DBuffer:
 
         self.sharded = torch.zeros(segment, dtype=self.master_dtype, device=self.device)
         self.unsharded = torch.empty(self.world_size * segment, dtype=self.param_dtype, device=self.device)
-        self.unsharded_grad = torch.empty_like(self.unsharded)
-        self.sharded_grad: torch.Tensor | None = None
+        self.unsharded_grad = torch.empty(self.world_size * segment, dtype=self.reduce_dtype, device=self.device)
+        self._sharded_grad: weakref.ref[torch.Tensor] | None = None
         self._unsharded_bytes = self.unsharded.untyped_storage().nbytes()
-        self._accumulated: torch.Tensor | None = None
-        """``no_sync`` micro-batches summed in the reduce dtype (only when it differs from the compute dtype)."""
+        self._grad_bytes = self.unsharded_grad.untyped_storage().nbytes()
+        self._land_by_copy = self.reduce_dtype != self.param_dtype
+        """Gradients land in the buffer by a cast-copy (``param.grad`` cannot be a view of another dtype)."""
+        self._landed: set[str] = set()
+        """Parameters whose gradient is in the buffer since it was allocated (``_land_by_copy`` only)."""
+        self._padding = _padding(layout, self.world_size * segment)
         self._awaiting: set[str] = set()
         self._used: set[str] = set()
         self._grad_was_none: set[str] = set()
@@ -210,11 +221,6 @@ class DBuffer:
     def has_unsharded_grad(self) -> bool:
         return _is_allocated(self.unsharded_grad)
 
-    @property
-    def has_grad_to_reduce(self) -> bool:
-        """A gradient buffer or ``no_sync`` accumulation waits for the reduction."""
-        return self.has_unsharded_grad or self._accumulated is not None
-
     def sync_requires_grad(self) -> list[tuple[str, nn.Parameter]]:
         """Mirror the shards' ``requires_grad`` onto the full parameters; return those that just became trainable."""
         changed = []
@@ -226,14 +232,17 @@ class DBuffer:
                     changed.append((name, full))
         return changed
 
-    def prepare_unsharded_grad(self) -> None:
-        """Allocate and zero the gradient buffer once, and point every trainable ``param.grad`` into it."""
-        if self.has_unsharded_grad or not self.trainable:
-            return
-        observed(self, EventKind.GRAD_BUFFER_ALLOCATED, None, self._allocate_grad)
+    def ensure_grad_buffer(self) -> None:
+        """Allocate the gradient buffer (at the first gradient, or zeroed for a reduction that got none)."""
+        if not self.has_unsharded_grad:
+            observed(self, EventKind.GRAD_BUFFER_ALLOCATED, None, self._allocate_grad)
 
     def _allocate_grad(self) -> None:
-        _allocate(self.unsharded_grad, self._unsharded_bytes)
+        _allocate(self.unsharded_grad, self._grad_bytes)
+        if self._land_by_copy:  # gradients will write their views: zero only the padding between them
+            for gap in self._padding:
+                self.unsharded_grad[gap].zero_()
+            return
         self.unsharded_grad.zero_()
         for name, param in self.unsharded_params.items():
             if param.requires_grad:
@@ -246,14 +255,23 @@ class DBuffer:
     def grad_arrived(self, name: str) -> bool:
         """Record that autograd finished ``name``'s gradient; True when it was the last one awaited.
 
-        A gradient autograd produced as a tensor of its own (it existed before the
-        buffer did) is added into the buffer.
+        The first gradient of the DBuffer allocates the buffer. A gradient autograd produced
+        as a tensor of its own is cast-copied (its first) or added into its view; with
+        ``param.grad`` pointing at the view, autograd has already accumulated it there.
         """
         param = self.unsharded_params[name]
         view = self._unsharded_grad_views[name]
-        if param.grad is not view:
+        if self._land_by_copy:
+            self.ensure_grad_buffer()
+            if name in self._landed:
+                view.add_(param.grad)
+            else:
+                view.copy_(param.grad)
+                self._landed.add(name)
+            param.grad = None
+        elif param.grad is not view:
             stray = param.grad
-            self.prepare_unsharded_grad()
+            self.ensure_grad_buffer()
             if stray is not None and stray is not view:
                 view.add_(stray)
             param.grad = view
@@ -263,21 +281,6 @@ class DBuffer:
         self._awaiting.discard(name)
         return not self._awaiting
 
-    def stash_unsynced_grad(self) -> None:
-        """After a ``no_sync`` backward: fold the compute-dtype gradients into the reduce-dtype sum.
-
-        With equal dtypes the gradient buffer itself keeps accumulating; otherwise one
-        flat ``add_`` into a reduce-dtype buffer per micro-batch (as FSDP2 accumulates),
-        and the compute-dtype buffer is freed.
-        """
-        if self.reduce_dtype == self.param_dtype or not self.has_unsharded_grad:
-            return
-        if self._accumulated is None:
-            self._accumulated = self.unsharded_grad.to(self.reduce_dtype)
-        else:
-            self._accumulated.add_(self.unsharded_grad)
-        self.free_unsharded_grad()
-
     def reduce_grad(self, async_op: bool = True) -> None:
         """Sum the flat gradient buffer over the shard group, in place (all-reduce) or into S (reduce-scatter)."""
         observed(self, EventKind.REDUCE_ISSUED, self.reduce_mode, self._issue_reduce, async_op)
@@ -286,16 +289,11 @@ class DBuffer:
 
     def _issue_reduce(self, async_op: bool) -> None:
         started = time.perf_counter()
-        if self.reduce_dtype == self.param_dtype:
-            full = self.unsharded_grad
-        else:
-            if self._accumulated is None:
-                full = self.unsharded_grad.to(self.reduce_dtype)
-            else:
-                full, self._accumulated = self._accumulated, None
-                if self.has_unsharded_grad:
-                    full.add_(self.unsharded_grad)
-            self.free_unsharded_grad()
+        full = self.unsharded_grad
+        if self._land_by_copy:  # what no gradient wrote reduces as zeros
+            for name, view in self._unsharded_grad_views.items():
+                if name not in self._landed:
+                    view.zero_()
         pending = collectives.reduce(full, self.reduce_mode, self.process_group, self.segment, async_op, started)
         self.stats.reduces += 1
         self.stats.reduce_bytes += full.numel() * full.element_size()
@@ -332,23 +330,25 @@ class DBuffer:
         params = list(self.sharded_params.items())
         self._grad_was_none = {name for name, param in params if param.grad is None}
         fresh = len(self._grad_was_none) == len(params)
-        if self.sharded_grad is None:
-            self.sharded_grad = torch.empty(self.layout.segment_size, dtype=self.master_dtype, device=self.device)
+        flat = self.sharded_grad  # a strong reference while the views are made
+        if flat is None:
+            flat = torch.empty(self.layout.segment_size, dtype=self.master_dtype, device=self.device)
+            self.sharded_grad = flat
             if not fresh:
-                self.sharded_grad.zero_()
+                flat.zero_()
         if fresh:
-            torch.mul(own_segment, scale, out=self.sharded_grad)
+            torch.mul(own_segment, scale, out=flat)
         else:
             for name, param in params:
-                view = self.sharded_grad[self._sharded_grad_slices[name]]
+                view = flat[self._sharded_grad_slices[name]]
                 if param.grad is None:
                     view.zero_()
                 elif param.grad.data_ptr() != view.data_ptr():
                     view.copy_(param.grad)
-            self.sharded_grad.add_(own_segment, alpha=scale)
+            flat.add_(own_segment, alpha=scale)
         for name, param in params:
             if param.requires_grad:
-                param.grad = self.sharded_grad[self._sharded_grad_slices[name]]
+                param.grad = flat[self._sharded_grad_slices[name]]
 
     @property
     def trainable_count(self) -> int:
@@ -373,25 +373,30 @@ class DBuffer:
         if self._pending_reduce is not None:
             self._pending_reduce.wait()
             self._pending_reduce = None
-        self._accumulated = None
         self._awaiting.clear()
         self._used.clear()
         self.free_unsharded_grad()
         self._free_unsharded()
 
-    def release_unused_sharded_grad(self) -> None:
-        """Drop the persistent gradient segment while no parameter points into it.
+    @property
+    def sharded_grad(self) -> torch.Tensor | None:
+        """This rank's flat gradient segment while any parameter's ``.grad`` still points into it.
 
-        After ``optimizer.zero_grad(set_to_none=True)`` nothing uses it until the next
-        reduction re-creates it, so forward and backward run without these P/W bytes.
+        Only those views hold it (the DBuffer keeps a weak reference), so that
+        ``optimizer.zero_grad(set_to_none=True)`` frees it at once, as FSDP2 frees its
+        sharded gradients: between steps a rank holds no gradient memory.
         """
-        if self.sharded_grad is not None and all(p.grad is None for p in self.sharded_params.values()):
-            self.sharded_grad = None
+        return None if self._sharded_grad is None else self._sharded_grad()
+
+    @sharded_grad.setter
+    def sharded_grad(self, value: torch.Tensor | None) -> None:
+        self._sharded_grad = None if value is None else weakref.ref(value)
 
     def free_unsharded_grad(self) -> None:
         """Detach the parameters' gradients from the buffer and free it."""
         for param in self.unsharded_params.values():
             param.grad = None
+        self._landed.clear()
         storage = self.unsharded_grad.untyped_storage()
         if storage.nbytes() > 0:
             storage.resize_(0)
@@ -399,22 +404,24 @@ class DBuffer:
                 notify(self, EventKind.GRAD_BUFFER_FREED)
 
     # ------------------------------------------------------------- full views
-    def gather_full(self) -> dict[str, torch.Tensor]:
-        """Full, original-shape copies of every parameter in master dtype (for state dicts)."""
-        full = torch.empty(self.world_size * self.layout.segment_size, dtype=self.master_dtype, device=self.device)
-        collectives.all_gather(full, self.sharded, self.process_group)
-        out = {}
-        for name, param in self.unsharded_params.items():
-            begin = self.layout.offsets[name]
-            out[name] = full[begin : begin + param.numel()].view(param.shape).clone()
-        return out
-
     def load_full(self, tensors: dict[str, torch.Tensor]) -> None:
         """Copy this rank's pieces of full tensors (some or all of this buffer's) into the sharded segment."""
         with torch.no_grad():
             for name, tensor in tensors.items():
                 param = self.sharded_params[name]
                 param.copy_(param.ragged_shard.local_part(tensor))
+
+
+def _padding(layout: Layout, numel: int) -> list[slice]:
+    """The stretches of a DBuffer's flat buffer that no tensor covers."""
+    gaps, position = [], 0
+    for begin, name in sorted((offset, name) for name, offset in layout.offsets.items()):
+        if begin > position:
+            gaps.append(slice(position, begin))
+        position = max(position, begin + layout.specs[name].numel)
+    if position < numel:
+        gaps.append(slice(position, numel))
+    return gaps
 
 
 def _is_allocated(tensor: torch.Tensor) -> bool:

@@ -8,9 +8,10 @@ root pre-forward   start the step: mirror ``requires_grad`` changes, recover fro
 group pre-forward  all-gather the group (or wait for its prefetch), prefetch the next group,
                    and put an autograd node on the module's inputs whose backward runs when
                    the module's whole backward is done (its *post-backward*)
-group post-forward free the full parameters (or keep 1/int of them); hook the outputs
-pre-backward       (first gradient reaching an output) all-gather again, attach the flat
-                   gradient buffers of trainable DBuffers, prefetch the group that ran before
+group post-forward free the full parameters (or keep 1/int of them; ``keep_last_unsharded``: keep
+                   the group the previous forward ran last, whose backward comes first); hook the outputs
+pre-backward       (first gradient reaching an output) all-gather again, prefetch the group that
+                   ran before; a DBuffer's gradient buffer is allocated at its first gradient
 post-backward      reduce the group's trainable DBuffers (at most one reduction in flight),
                    then free its full parameters: frozen weights stay available until the
                    module's input gradient is computed
@@ -44,6 +45,10 @@ class RaggedFSDPState:
         self.all_groups = groups
         self.stats = stats
         self.requires_gradient_sync = True
+        self.keep_last_unsharded = False
+        self.max_inflight_all_gathers = 1
+        """Groups all-gathered ahead of the running one (from the recorded order)."""
+        """Keep the group the last forward ran last unsharded until its backward, the first to need it."""
         self.forward_order: list[ShardGroup] = []
         """Groups in the order the current (or last) forward ran them."""
         self._previous_order: list[ShardGroup] = []
@@ -150,8 +155,6 @@ class RaggedFSDPState:
                 return self._cast_inputs(group, args, kwargs)  # another module using a root parameter
             if not group.is_root and group not in self.forward_order:
                 self.forward_order.append(group)
-            for dbuffer in group.dbuffers:
-                dbuffer.release_unused_sharded_grad()
         group.use_unsharded()
         if self._in_backward:  # a recomputation (activation checkpointing) inside backward
             return self._cast_inputs(group, args, kwargs)
@@ -170,7 +173,7 @@ class RaggedFSDPState:
             return  # the root stays unsharded for its backward; a recomputation for its backward
         if not torch.is_grad_enabled():
             group.reshard()
-        else:
+        elif not (self.keep_last_unsharded and self._previous_order and group is self._previous_order[-1]):
             group.reshard_after_forward_step()
 
     def hook_backward(self, group: ShardGroup, output: Any) -> None:
@@ -192,20 +195,22 @@ class RaggedFSDPState:
         """Start the all-gather of the groups expected next (forward or backward).
 
         Explicit lists (``set_modules_to_*_prefetch``) win; otherwise forward follows the
-        previous forward's order and backward this forward's order reversed. The root group
-        runs first in forward and its head first in backward.
+        previous forward's order and backward this forward's order reversed, at most
+        ``max_inflight_all_gathers`` groups ahead (the window slides by one group per call,
+        so no more are ever in flight). The root group runs first in forward and its head
+        first in backward.
         """
         targets = group.forward_prefetch if forward else group.backward_prefetch
         if targets is None:
-            order = self.forward_order if not forward else self._previous_order
+            order = self._previous_order if forward else self.forward_order[::-1]
+            ahead = self.max_inflight_all_gathers
             if group.is_root:
-                candidates = order[:1] if forward else self.forward_order[-1:]
+                targets = order[:ahead]
             elif group in order:
-                index = order.index(group) + (1 if forward else -1)
-                candidates = [order[index]] if 0 <= index < len(order) else []
+                index = order.index(group) + 1
+                targets = order[index : index + ahead]
             else:
-                candidates = []
-            targets = candidates
+                targets = []
         for target in targets:
             if not target.backward_prepared and target is not group:
                 target.unshard(async_op=True)
@@ -249,13 +254,14 @@ class RaggedFSDPState:
         self._finish_group(group)
 
     def _finish_group(self, group: ShardGroup) -> None:
+        """Reduce every trainable DBuffer of a group that ran backward (zeros where no gradient arrived here:
+        its peers may have some), then reshard. Under ``no_sync`` the gradient buffers keep accumulating."""
         for dbuffer in group.dbuffers:
-            if not dbuffer.has_grad_to_reduce or dbuffer in self._reduced:
+            if dbuffer in self._reduced or not self.requires_gradient_sync:
                 continue
-            if self.requires_gradient_sync:
+            if dbuffer.has_unsharded_grad or (group.backward_prepared and dbuffer.trainable):
+                dbuffer.ensure_grad_buffer()
                 self._reduce(dbuffer)
-            else:
-                dbuffer.stash_unsynced_grad()
         if group.reshard_after_backward:
             group.reshard()
         group.end_backward()

@@ -99,10 +99,9 @@ class ShardGroup:
 
     # ------------------------------------------------------------- gradients
     def prepare_backward(self) -> None:
-        """Unshard for backward, attach gradient buffers (trainable DBuffers only), start counting gradients."""
+        """Unshard for backward and start counting gradients (each gradient buffer waits for its first one)."""
         self.use_unsharded()
         for dbuffer in self.dbuffers:
-            dbuffer.prepare_unsharded_grad()
             dbuffer.begin_backward()
         self.backward_prepared = True
 

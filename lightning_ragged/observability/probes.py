@@ -8,7 +8,9 @@ integer updates; exceptions cost nothing until one is raised. From the events th
 * adds the time the training thread spent *inside* the calls (issuing a collective or
   waiting for it) to ``blocked_*_seconds``. ``CommStats`` has the in-flight time (issue
   to completion), so the share of communication hidden behind compute is
-  ``1 - blocked / in_flight``;
+  ``1 - blocked / in_flight``. On CUDA, where the calls only enqueue, a
+  :class:`~lightning_ragged.observability.device_timing.CollectiveTimer` times the same
+  quantities on the device with timing events, read lazily (``device_timing.py``);
 * tracks the bytes of unsharded parameter and gradient buffers alive right now and their
   peak (``reset_peaks`` starts a new window);
 * counts the bytes the engine itself copies outside the collectives (the mixed-precision
@@ -30,6 +32,7 @@ from lightning_ragged.engine.api import RaggedFSDPState, get_state
 from lightning_ragged.engine.dbuffer import DBuffer
 from lightning_ragged.engine.events import DBufferEvent, EventKind
 from lightning_ragged.observability import diagnostics
+from lightning_ragged.observability.device_timing import CollectiveTimer, EventFactory, device_event_factory
 
 _instances = itertools.count()
 
@@ -37,7 +40,9 @@ _instances = itertools.count()
 class DBufferInfo:
     """What a probe knows about one DBuffer: its group, its index in the group, its sizes."""
 
-    __slots__ = ("dbuffer", "group", "index", "label", "unsharded_bytes", "cast_bytes", "reduce_cast_bytes")
+    __slots__ = (
+        "dbuffer", "group", "index", "label", "unsharded_bytes", "grad_buffer_bytes", "cast_bytes", "reduce_cast_bytes"
+    )
 
     def __init__(self, dbuffer: DBuffer, group: str, index: int, dbuffers_in_group: int) -> None:
         self.dbuffer = dbuffer
@@ -47,10 +52,11 @@ class DBufferInfo:
         element = torch.empty((), dtype=dbuffer.param_dtype).element_size()
         self.unsharded_bytes = dbuffer.layout.buffer_numel * element
         self.cast_bytes = dbuffer.layout.segment_size * element if dbuffer.param_dtype != dbuffer.master_dtype else 0
-        reduce_element = torch.empty((), dtype=dbuffer.reduce_dtype).element_size()
-        self.reduce_cast_bytes = (
-            dbuffer.layout.buffer_numel * reduce_element if dbuffer.reduce_dtype != dbuffer.param_dtype else 0
-        )
+        grad_element = torch.empty((), dtype=dbuffer.unsharded_grad.dtype).element_size()
+        self.grad_buffer_bytes = dbuffer.layout.buffer_numel * grad_element
+        """The full gradient buffer is in the reduce dtype when it differs (gradients land there by a cast)."""
+        trainable = sum(p.numel() for p in dbuffer.unsharded_params.values() if p.requires_grad)
+        self.reduce_cast_bytes = trainable * grad_element if dbuffer.reduce_dtype != dbuffer.param_dtype else 0
 
 
 class _Subscription:
@@ -69,7 +75,8 @@ class _Subscription:
 class EngineProbe:
     """Cumulative counters of one sharded module, fed by its DBuffers' events."""
 
-    def __init__(self, state: RaggedFSDPState) -> None:
+    def __init__(self, state: RaggedFSDPState, event_factory: EventFactory | None = None) -> None:
+        """``event_factory``: timing events for device-true times (default: CUDA events on a CUDA module)."""
         self.state = state
         self.dbuffers: list[DBufferInfo] = []
         for group in state.all_groups:
@@ -80,7 +87,7 @@ class EngineProbe:
         self.engine_copy_bytes = 0
         self.unsharded_bytes = sum(info.unsharded_bytes for info in self.dbuffers if info.dbuffer.is_unsharded)
         self.unsharded_peak_bytes = self.unsharded_bytes
-        self.grad_bytes = sum(info.unsharded_bytes for info in self.dbuffers if info.dbuffer.has_unsharded_grad)
+        self.grad_bytes = sum(info.grad_buffer_bytes for info in self.dbuffers if info.dbuffer.has_unsharded_grad)
         self.grad_peak_bytes = self.grad_bytes
         self.step = 0
         """Set by the caller (the Lightning callback sets the global step); named in diagnostics."""
@@ -90,6 +97,10 @@ class EngineProbe:
         self._sequence: dict[str, int] = {}
         self._pending_sequence: dict[tuple[int, str], int] = {}
         self._instance = next(_instances)
+        device = self.dbuffers[0].dbuffer.device if self.dbuffers else None
+        factory = event_factory if event_factory is not None else device_event_factory(device)
+        self.timer = CollectiveTimer(factory) if factory is not None else None
+        """Device times of the collectives (CUDA, or an injected factory); None: the wall-clock times are them."""
         self._subscriptions = [_Subscription(self, info) for info in self.dbuffers]
         for subscription in self._subscriptions:
             subscription.info.dbuffer.observers.append(subscription)
@@ -127,6 +138,8 @@ class EngineProbe:
     def on_event(self, info: DBufferInfo, event: DBufferEvent) -> BaseException | None:
         """Count one DBuffer event; for a failed call, the named error to raise instead (or None)."""
         kind, failed = event.kind, event.error is not None
+        if self.timer is not None:
+            self._time(info, event, failed)
         if kind is EventKind.UNSHARD_ISSUED:
             self._next_sequence(info.dbuffer, "all_gather")
             self.blocked_all_gather_seconds += event.seconds
@@ -148,21 +161,42 @@ class EngineProbe:
             self.blocked_reduce_seconds += event.seconds
         elif kind is EventKind.GRAD_BUFFER_ALLOCATED:
             if not failed:
-                self.grad_bytes += info.unsharded_bytes
+                self.grad_bytes += info.grad_buffer_bytes
                 if self.grad_bytes > self.grad_peak_bytes:
                     self.grad_peak_bytes = self.grad_bytes
         elif kind is EventKind.GRAD_BUFFER_FREED:
-            self.grad_bytes -= info.unsharded_bytes
+            self.grad_bytes -= info.grad_buffer_bytes
         if not failed or not self.diagnostics:
             return None
         collective = "gradient buffer" if kind is EventKind.GRAD_BUFFER_ALLOCATED else event.collective
         return diagnostics.translate(event.error, self._failure(info, collective, event.seconds), collective)
 
+    def _time(self, info: DBufferInfo, event: DBufferEvent, failed: bool) -> None:
+        kind = event.kind
+        gather = kind is EventKind.UNSHARD_ISSUED or kind is EventKind.UNSHARD_WAITED
+        key = (id(info.dbuffer), gather)
+        if failed:
+            if event.collective is not None:
+                self.timer.failed(key)
+        elif kind is EventKind.UNSHARD_ISSUED or kind is EventKind.REDUCE_ISSUED:
+            self.timer.issued(key)
+        elif gather or kind is EventKind.REDUCE_WAITED:
+            self.timer.waited(key, gather)
+        else:
+            self.timer.mark()
+
+    @property
+    def blocked_seconds(self) -> float:
+        """Time blocked in collectives: the device stream's stall (with a timer) or the training thread's."""
+        if self.timer is not None:
+            return self.timer.blocked_seconds
+        return self.blocked_all_gather_seconds + self.blocked_reduce_seconds
+
     def _failure(self, info: DBufferInfo, collective: str, seconds: float) -> diagnostics.Failure:
         return diagnostics.Failure(
             dbuffer=info.dbuffer,
             label=info.label,
-            buffer_bytes=info.unsharded_bytes,
+            buffer_bytes=info.grad_buffer_bytes if collective == "gradient buffer" else info.unsharded_bytes,
             step=self.step,
             sequence=self.pending_sequence(info.dbuffer, collective),
             group_key=self.group_key(info.dbuffer),
@@ -173,15 +207,18 @@ class EngineProbe:
         )
 
 
-def probe(module: nn.Module | RaggedFSDPState) -> EngineProbe:
-    """The probe of a module sharded by ``fully_shard``, subscribed on first use (idempotent)."""
+def probe(module: nn.Module | RaggedFSDPState, event_factory: EventFactory | None = None) -> EngineProbe:
+    """The probe of a module sharded by ``fully_shard``, subscribed on first use (idempotent).
+
+    ``event_factory`` applies to a new probe only (default: CUDA timing events on a CUDA module).
+    """
     state = module if isinstance(module, RaggedFSDPState) else get_state(module)
     for dbuffer in state.dbuffers():  # subscribed to every DBuffer: the first one tells
         for observer in dbuffer.observers:
             if isinstance(observer, _Subscription) and observer.probe.state is state:
                 return observer.probe
         break
-    return EngineProbe(state)
+    return EngineProbe(state, event_factory)
 
 
 def sharded_states(module: nn.Module) -> Iterator[RaggedFSDPState]:

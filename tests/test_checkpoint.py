@@ -321,6 +321,62 @@ def test_full_compressed_and_async_saves_reload_the_same_state(dist_pool, tmp_pa
     assert not any(p.name.startswith(".ragged") for p in tmp_path.iterdir()), sorted(os.listdir(tmp_path))
 
 
+def _staged_storages(tree) -> list[tuple[str, int]]:
+    """(device, storage address) of every tensor a staged state dict holds (a DTensor by its local boxes)."""
+    from torch.distributed.tensor import DTensor
+    from torch.utils._pytree import tree_leaves
+
+    out = []
+    for leaf in tree_leaves(tree):
+        if isinstance(leaf, DTensor):
+            leaf = leaf._local_tensor
+        for piece in getattr(leaf, "local_shards", lambda: [leaf])() if isinstance(leaf, torch.Tensor) else []:
+            out.append((piece.device.type, piece.untyped_storage().data_ptr()))
+    return out
+
+
+def check_async_staging_reuses_cpu_buffers(root: str) -> dict:
+    """Two async saves: the staged copy is in CPU memory apart from the live shards, and the second
+    save copies into the first one's buffers; training between them does not change what was saved."""
+    data = make_batches(3, BATCH)
+    model = lr.fully_shard(make_model(), shard_granularity="row")
+    optimizers = _adamw(model)
+    writer = ck.CheckpointWriter()
+    live = {ptr for _, ptr in _staged_storages(
+        {"model": ck.sharded_model_state_dict(model), "opt": ck.sharded_optimizer_state_dict(model, optimizers[0])}
+    )}
+    staged, expected, held = [], [], []
+    for step in range(2):
+        _step(model, optimizers, data[step])
+        ck.save(f"{root}/save{step}", model, optimizers, writer=writer, async_save=True)
+        held.append(writer.pending.staged)  # alive: fresh buffers for the second save could not reuse its addresses
+        staged.append(_staged_storages(writer.pending.staged))
+        expected.append(_local_state(model, optimizers))
+        _step(model, optimizers, data[step + 1])  # overwrites the shards while the write is in flight
+    writer.close()
+    same = []
+    for step in range(2):
+        restored = lr.fully_shard(make_model(seed=5), shard_granularity="row")
+        restored_opts = _adamw(restored)
+        ck.load(f"{root}/save{step}", restored, restored_opts)
+        got = _local_state(restored, restored_opts)
+        same.append(got.keys() == expected[step].keys() and all(torch.equal(got[k], v) for k, v in expected[step].items()))
+    return {
+        "tensors": len(staged[0]),
+        "on_cpu": all(device == "cpu" for device, _ in staged[0] + staged[1]),
+        "apart_from_live": not live & {ptr for _, ptr in staged[0]},
+        "reused": staged[0] == staged[1],
+        "saved_what_was_staged": same,
+    }
+
+
+def test_async_save_stages_into_reused_cpu_buffers(dist_pool, tmp_path) -> None:
+    for result in dist_pool(2).run(check_async_staging_reuses_cpu_buffers, str(tmp_path)):
+        assert result["tensors"] > 0 and result["on_cpu"] and result["apart_from_live"], result
+        assert result["reused"], result
+        assert result["saved_what_was_staged"] == [True, True], result
+
+
 def test_compression_without_zstandard_is_a_clear_error(monkeypatch, tmp_path) -> None:
     from torch.distributed.checkpoint import _extension
 

@@ -6,10 +6,15 @@ process oracle is the same model trained on the concatenated global batch.
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from torch.utils.weak import WeakIdKeyDictionary
 
 import lightning_ragged as lr
 from lightning_ragged.observability.copy_counter import CopyCounter
@@ -296,6 +301,126 @@ def check_full_state_dict_round_trip() -> float:
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_full_state_dict_round_trip(dist_pool, world_size):
     assert max(dist_pool(world_size).run(check_full_state_dict_round_trip)) == 0.0
+
+
+class _LiveStorages(TorchDispatchMode):
+    """Storages the ops inside the mode allocate (not views, not in-place outputs), and their bytes after each op
+    (a storage freed with ``resize_(0)`` counts 0 even while a backend's work object still holds it).
+
+    ``peak_except(kept)``: the most bytes alive at once among the storages not in ``kept``
+    (the tensors the call returned), i.e. the call's temporaries.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tokens: WeakIdKeyDictionary = WeakIdKeyDictionary()  # live storage -> token
+        self.snapshots: list[list[tuple[int, int]]] = []
+        self._count = itertools.count()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        for tensor in tree_leaves(out):
+            if isinstance(tensor, torch.Tensor) and tensor.untyped_storage().data_ptr() not in inputs:
+                storage = tensor.untyped_storage()
+                if storage not in self.tokens:
+                    self.tokens[storage] = next(self._count)
+        self.snapshots.append([(token, storage.nbytes()) for storage, token in self.tokens.items()])
+        return out
+
+    def peak_except(self, kept: dict[str, torch.Tensor]) -> int:
+        kept_tokens = {self.tokens[t.untyped_storage()] for t in kept.values() if t.untyped_storage() in self.tokens}
+        return max((sum(n for token, n in snap if token not in kept_tokens) for snap in self.snapshots), default=0)
+
+
+def _with_buffer(model: nn.Module) -> nn.Module:
+    model.register_buffer("scale", torch.arange(3.0) + 0.5)  # a non-parameter key: stays as it is, or goes to CPU
+    return model
+
+
+def check_full_state_dict_options(gather: bool) -> dict:
+    """Every cpu_offload / rank0_only combination against the single-process model's state dict.
+
+    ``gather=False`` takes the all-gather-and-drop path that backends without ``dist.gather`` use.
+    """
+    from unittest import mock
+
+    from lightning_ragged.engine import state_dict as state_dict_module
+
+    model = lr.fully_shard(_with_buffer(make_model()), shard_granularity="row")
+    reference = _with_buffer(make_model(seed=5))
+    expected = reference.state_dict()
+    lr.load_full_state_dict(model, expected)
+    dbuffers = list(lr.get_state(model).dbuffers())
+    largest = max(b.world_size * b.layout.segment_size * b.sharded.element_size() for b in dbuffers)
+    today = lr.full_state_dict(model)
+    rank = dist.get_rank()
+    results = {"dbuffers": len(dbuffers), "largest": largest}
+    with mock.patch.object(state_dict_module, "_has_gather", lambda group: gather):
+        for cpu_offload in (False, True):
+            for rank0_only in (False, True):
+                with _LiveStorages() as live:
+                    got = lr.full_state_dict(model, cpu_offload=cpu_offload, rank0_only=rank0_only)
+                receives = rank == 0 or not rank0_only
+                results[(cpu_offload, rank0_only)] = {
+                    "empty": got == {},
+                    "as_expected": receives
+                    and got.keys() == expected.keys()
+                    and all(torch.equal(got[k], expected[k]) and torch.equal(got[k], today[k]) for k in expected),
+                    "on_cpu": all(t.device.type == "cpu" for t in got.values()),
+                    "own_storage": all(t.untyped_storage().nbytes() == t.numel() * t.element_size() for t in got.values()),
+                    "tied": receives and got["head.weight"] is got["embed.weight"],
+                    "peak_temporaries": live.peak_except(got),
+                }
+    # and back: only rank 0 holds the state dict, the others pass {}
+    target = _with_buffer(make_model(seed=7))
+    lr.load_full_state_dict(model, target.state_dict() if rank == 0 else {}, broadcast_from_rank0=True)
+    back = lr.full_state_dict(model)
+    results["broadcast_load"] = all(torch.equal(back[k], v) for k, v in target.state_dict().items() if k != "scale")
+    return results
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+@pytest.mark.parametrize("gather", [True, False], ids=["gather", "all_gather"])
+def test_full_state_dict_cpu_offload_and_rank0_only(dist_pool, world_size, gather):
+    results = dist_pool(world_size).run(check_full_state_dict_options, gather)
+    for rank, result in enumerate(results):
+        assert result["dbuffers"] >= 3, result  # the blocks and the root: one DBuffer at a time is visible
+        for (cpu_offload, rank0_only), got in ((k, v) for k, v in result.items() if isinstance(k, tuple)):
+            if rank0_only and rank != 0:
+                assert got["empty"], (rank, cpu_offload, got)
+                # nothing kept; with a gather, nothing gathered either (the others only send)
+                assert got["peak_temporaries"] <= (0 if gather else result["largest"]), (rank, got, result["largest"])
+                continue
+            assert got["as_expected"] and got["own_storage"] and got["tied"], (rank, cpu_offload, rank0_only, got)
+            assert got["on_cpu"]  # CPU-only machine: the model is on CPU too; cpu_offload keeps it there
+            assert 0 < got["peak_temporaries"] <= result["largest"], (rank, cpu_offload, rank0_only, got, result["largest"])
+        assert result["broadcast_load"], (rank, result)
+
+
+def check_full_state_dict_bad_flags() -> list[str]:
+    model = lr.fully_shard(make_model(), shard_granularity="row")
+    messages = []
+    for call in (
+        lambda: lr.full_state_dict(model, cpu_offload="yes"),
+        lambda: lr.full_state_dict(model, rank0_only=1),
+        lambda: lr.load_full_state_dict(model, {}, broadcast_from_rank0=None),
+    ):
+        with pytest.raises(TypeError) as error:
+            call()
+        messages.append(str(error.value))
+    with pytest.raises(KeyError, match="rank 0's state_dict lacks"):  # every rank raises, none waits
+        lr.load_full_state_dict(model, {}, broadcast_from_rank0=True)
+    return messages
+
+
+def test_full_state_dict_bad_flags(dist_pool):
+    messages = dist_pool(2).run(check_full_state_dict_bad_flags)[0]
+    assert messages == [
+        "cpu_offload='yes' must be True or False",
+        "rank0_only=1 must be True or False",
+        "broadcast_from_rank0=None must be True or False",
+    ]
 
 
 def check_wrapper_class() -> float:

@@ -4,7 +4,8 @@ A save goes to a hidden sibling directory (``atomic_dir.partial_path``), every r
 its shards, rank 0 writes ``meta.pt`` and ``checksums.json`` last and publishes the
 directory with one atomic rename (``atomic_dir.publish``): a crash at any point leaves the
 name holding the previous checkpoint or the new one. An asynchronous save stages one copy
-of each buffer and finishes in the background (:class:`PendingSave`); ``full=True``
+of each buffer in CPU memory (pinned when the tensors are on CUDA; torch's ``DefaultStager``,
+whose buffers the next save reuses) and finishes in the background (:class:`PendingSave`); ``full=True``
 streams the shards into one ordinary file (``consolidation.py``). A save's collectives that
 time out raise ``CheckpointTimeoutError`` (``timeout.py``).
 """
@@ -24,6 +25,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.utils._pytree import tree_leaves
 
 from lightning_ragged.checkpoint import atomic_dir, checksums, safe_unpickle
 from lightning_ragged.checkpoint import timeout as checkpoint_timeout
@@ -69,7 +72,7 @@ def _storage_writer(path: Path, compress: bool) -> checksums.ChecksummingWriter:
 
 
 class _AlreadyStaged:
-    """An ``AsyncStager`` for a state dict we copied ourselves (one flat copy per buffer)."""
+    """An ``AsyncStager`` for a state dict we staged ourselves (so :class:`PendingSave` can hold it)."""
 
     should_synchronize_after_execute = False
 
@@ -91,8 +94,10 @@ class PendingSave:
     kept and raised again by every later ``wait()`` (the finish never runs twice).
     """
 
-    def __init__(self, future: Future, finish: Any, path: Path, translating: Any = None) -> None:
+    def __init__(self, future: Future, finish: Any, path: Path, translating: Any = None, staged: Any = None) -> None:
         self.future = future
+        self.staged = staged
+        """The CPU copy of the tensors that DCP is writing (the writer reuses its buffers at the next save)."""
         self._finish = finish
         self.path = path
         self.translating = translating or (lambda label, group=None: contextlib.nullcontext())
@@ -125,6 +130,19 @@ class CheckpointWriter:
         self.timeout = timeout
         """The async save's process-group timeout; None: the default group's (the strategy's ``timeout``)."""
         self._saves = 0  # every rank counts the same saves: names a timed-out save's collectives in the store
+        self._stagers: dict[bool, DefaultStager] = {}
+        """Async staging into CPU memory, keyed by "tensors on CUDA"; kept so each save reuses the buffers."""
+
+    def close(self) -> None:
+        """Finish the save in flight and free the CPU staging buffers (every rank)."""
+        self.wait()
+        self.release_staging()
+
+    def release_staging(self) -> None:
+        """Free the CPU staging buffers (no collective; the next async save allocates them again)."""
+        for stager in self._stagers.values():
+            stager.close()
+        self._stagers.clear()
 
     def wait(self) -> None:
         """Finish the save in flight, if any (every rank)."""
@@ -133,6 +151,24 @@ class CheckpointWriter:
             pending.wait()
             with pending.translating("barrier after the asynchronous save", None):  # the default group
                 barrier()
+
+    def _stage(self, tensors: Any) -> Any:
+        """A CPU copy of every tensor the training step will overwrite (one per shared storage).
+
+        Staged by torch's ``DefaultStager`` (``StateDictStager`` underneath: one CPU storage
+        per source storage, so a DBuffer's views share one copy), pinned with non-blocking
+        copies when the tensors are on CUDA, plain CPU copies otherwise. The stager keeps
+        its buffers, keyed weakly by the source storages, so the next save copies into the
+        same CPU memory instead of allocating it again (``close()`` frees them).
+        """
+        on_cuda = any(_is_cuda(leaf) for leaf in tree_leaves(tensors))
+        stager = self._stagers.get(on_cuda)
+        if stager is None:
+            options = StagingOptions(
+                use_pinned_memory=on_cuda, use_shared_memory=False, use_async_staging=False, use_non_blocking_copy=on_cuda
+            )
+            stager = self._stagers[on_cuda] = DefaultStager(options)
+        return stager.stage(tensors)
 
     def save(
         self,
@@ -155,7 +191,7 @@ class CheckpointWriter:
         go through DCP (DTensors: each rank writes its boxes; plain tensors: written
         once); everything else goes to ``meta.pt``, which rank 0 writes last before the
         directory is renamed into place. With ``async_save`` this returns once the
-        shards are staged (one copy of each buffer); the write and the rename finish in
+        shards are staged (one CPU copy of each buffer); the write and the rename finish in
         the background and the next save (or ``wait()``) waits for them.
         """
         self.wait()
@@ -219,17 +255,24 @@ class CheckpointWriter:
             # its own group (DCP's collectives run in a background thread), with the default group's timeout
             timeout = self.timeout or checkpoint_timeout.group_timeout()
             self._async_group = dist.new_group(backend="gloo", **({"timeout": timeout} if timeout else {}))
-        staged = _stage(tensors)
+        staged = self._stage(tensors)
         future = dcp.async_save(
             staged, storage_writer=writer, process_group=self._async_group, async_stager=_AlreadyStaged()
         )
         # DCP's rank 0 finishes (writes .metadata) only after every rank's data is written,
         # so rank 0 may publish the directory as soon as its own future completes.
         group = self._async_group
-        self.pending = PendingSave(future, finish, path, lambda label, group=group: translating(label, group=group))
+        self.pending = PendingSave(
+            future, finish, path, lambda label, group=group: translating(label, group=group), staged=staged
+        )
         if is_rank_zero():
             pending = self.pending
             future.add_done_callback(lambda f: f.exception() is None and pending.wait())
+
+
+def _is_cuda(value: Any) -> bool:
+    """A tensor (a DTensor by its local shards) on a CUDA device."""
+    return isinstance(value, torch.Tensor) and value.device.type == "cuda"
 
 
 def _publish_checksums(writer: checksums.ChecksummingWriter, directory: Path) -> checksums.Manifest:
@@ -241,44 +284,6 @@ def _publish_checksums(writer: checksums.ChecksummingWriter, directory: Path) ->
     manifest.add_file(directory, META_FILENAME)
     manifest.write(directory)
     return manifest
-
-
-def _stage(tree: Any) -> Any:
-    """A copy of every tensor the training step will overwrite, one flat copy per shared storage."""
-    from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
-
-    copies: dict[int, torch.Tensor] = {}
-
-    def copy_of(tensor: torch.Tensor) -> torch.Tensor:
-        storage = tensor.untyped_storage()
-        key = storage.data_ptr()
-        if key not in copies:
-            copies[key] = torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(storage.clone())
-        base = copies[key]
-        return torch.empty(0, dtype=tensor.dtype, device=tensor.device).set_(
-            base.untyped_storage(), tensor.storage_offset(), tensor.shape, tensor.stride()
-        )
-
-    def visit(value: Any) -> Any:
-        if isinstance(value, DTensor):
-            local = value._local_tensor
-            if isinstance(local, LocalShardsWrapper):
-                pieces = [copy_of(piece) for piece in local.local_shards()]
-                wrapper = LocalShardsWrapper(pieces, [tuple(o) for o in local.local_offsets()])
-                return DTensor.from_local(
-                    wrapper, value.device_mesh, value.placements, shape=value.shape, stride=value.stride(), run_check=False
-                )
-            return value.clone()
-        if isinstance(value, torch.Tensor):
-            return value.detach().clone()
-        if isinstance(value, Mapping):
-            return {key: visit(item) for key, item in value.items()}
-        if isinstance(value, list):
-            return [visit(item) for item in value]
-        return value
-
-    return visit(tree)
 
 
 _DEFAULT_WRITER = CheckpointWriter()

@@ -2,16 +2,20 @@
 
 :func:`sharded_params` is the one map from a state-dict key to its sharded parameter
 (the engine's own full state dicts and the checkpoint's sharded ones both read it);
-slicing a full tensor to this rank's range is ``RaggedShard.local_part``.
+slicing a full tensor to this rank's range is ``RaggedShard.local_part``. Full state dicts
+move one DBuffer at a time (gathered, copied out, freed), optionally to CPU and to rank 0
+only, and back from rank 0 by a broadcast of one DBuffer's flat buffer at a time.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Iterable, NamedTuple
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
+from lightning_ragged.engine import collectives
 from lightning_ragged.engine.api import get_state
 from lightning_ragged.engine.dbuffer import DBuffer
 
@@ -48,25 +52,134 @@ def sharded_params(module: nn.Module) -> dict[str, ShardedParam]:
     return result
 
 
-def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
+def full_state_dict(module: nn.Module, *, cpu_offload: bool = False, rank0_only: bool = False) -> dict[str, torch.Tensor]:
     """Full, original-shape tensors for every state-dict key of ``module`` (the sharded model or any
-    submodule of it, keys relative to it), on every rank. Collective: every rank calls it."""
+    submodule of it, keys relative to it). Collective: every rank calls it.
+
+    One DBuffer at a time: each is gathered, its tensors copied out and its gathered buffer
+    freed before the next, so the gathering itself never holds more than one DBuffer's full
+    size. ``cpu_offload``: the copies (and the buffers) go to CPU, so the device holds at
+    most one gathered DBuffer. ``rank0_only``: only global rank 0 gets the state dict (a
+    gather to it, not an all-gather, where the backend has one); every other rank returns
+    ``{}``. The names are those of torch's ``FullStateDictConfig(offload_to_cpu, rank0_only)``
+    and ``StateDictOptions(cpu_offload=...)``.
+    """
+    _check_flag("cpu_offload", cpu_offload)
+    _check_flag("rank0_only", rank0_only)
     keys = sharded_params(module)
-    needed = {id(entry.dbuffer) for entry in keys.values()}
-    gathered = {id(b): b.gather_full() for b in get_state(module).dbuffers() if id(b) in needed}
+    names: dict[int, dict[str, None]] = {}
+    for entry in keys.values():
+        names.setdefault(id(entry.dbuffer), {})[entry.name] = None  # tied keys: one copy
+    device = torch.device("cpu") if cpu_offload else None
+    gathered = {
+        id(b): _gather_full(b, names[id(b)], device, rank0_only) for b in get_state(module).dbuffers() if id(b) in names
+    }
+    if rank0_only and dist.get_rank() != 0:
+        return {}
     result = {}
     for key, value in module.state_dict().items():
         if key in keys:
             value = gathered[id(keys[key].dbuffer)][keys[key].name]
+        elif cpu_offload:
+            value = value.to("cpu")
         result[key] = value
     return result
 
 
-def load_full_state_dict(module: nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
-    """Copy this rank's pieces of full tensors (keys as in ``full_state_dict`` of the same module) into the shards."""
+def _gather_full(
+    dbuffer: DBuffer, names: Iterable[str], device: torch.device | None, rank0_only: bool
+) -> dict[str, torch.Tensor]:
+    """Full, original-shape copies of one DBuffer's ``names`` in master dtype, on ``device`` (default the DBuffer's).
+
+    One gathered buffer (m·S elements on the DBuffer's device) lives during the call and is
+    freed before it returns. ``rank0_only``: only global rank 0 receives (a gather where the
+    backend has one, else an all-gather the others drop) and every other rank returns ``{}``;
+    a shard process group without global rank 0 (another HSDP replica) does not communicate.
+    """
+    group = dbuffer.process_group
+    if rank0_only and 0 not in dist.get_process_group_ranks(group or dist.group.WORLD):
+        return {}
+    receives = not rank0_only or dist.get_rank() == 0
+    gather = rank0_only and _has_gather(group)
+    full = None
+    if receives or not gather:
+        full = torch.empty(dbuffer.world_size * dbuffer.layout.segment_size, dtype=dbuffer.master_dtype, device=dbuffer.device)
+    if gather:
+        dist.gather(dbuffer.sharded, list(full.chunk(dbuffer.world_size)) if receives else None, dst=0, group=group)
+    else:
+        collectives.all_gather(full, dbuffer.sharded, group)
+    out = {}
+    if receives:
+        for name in names:
+            view = _full_view(dbuffer, full, name)
+            out[name] = view.to(dbuffer.device if device is None else device, copy=True)
+    if full is not None:
+        full.untyped_storage().resize_(0)  # now, not when the backend's work object lets go of it
+    return out
+
+
+_GATHER_BACKENDS = ("gloo", "nccl", "mpi", "ucc")
+
+
+def _has_gather(group: dist.ProcessGroup | None) -> bool:
+    """The group's backend (every backend of "cpu:gloo,cuda:nccl") has ``dist.gather``."""
+    return all(part.split(":")[-1] in _GATHER_BACKENDS for part in dist.get_backend(group).split(","))
+
+
+def _full_view(dbuffer: DBuffer, flat: torch.Tensor, name: str) -> torch.Tensor:
+    """``name``'s original-shape view into a full (m·S) flat buffer laid out as ``dbuffer``."""
+    shape, begin = dbuffer.unsharded_params[name].shape, dbuffer.layout.offsets[name]
+    return flat[begin : begin + shape.numel()].view(shape)
+
+
+def load_full_state_dict(
+    module: nn.Module, state_dict: dict[str, torch.Tensor], *, broadcast_from_rank0: bool = False
+) -> None:
+    """Copy this rank's pieces of full tensors (keys as in ``full_state_dict`` of the same module) into the shards.
+
+    ``broadcast_from_rank0`` (torch's ``StateDictOptions`` name; collective): only global
+    rank 0's ``state_dict`` is read, the other ranks may pass ``{}``; rank 0 packs one
+    DBuffer's tensors at a time into a flat buffer on the DBuffer's device and broadcasts
+    it, so no rank holds more than one DBuffer's full size beyond rank 0's own dict.
+    """
+    _check_flag("broadcast_from_rank0", broadcast_from_rank0)
     get_state(module)  # a module fully_shard never touched is an error here, as in full_state_dict
-    per_dbuffer: dict[int, tuple[DBuffer, dict[str, torch.Tensor]]] = {}
+    per_dbuffer: dict[int, tuple[DBuffer, dict[str, str]]] = {}
     for key, (dbuffer, name) in sharded_params(module).items():
-        per_dbuffer.setdefault(id(dbuffer), (dbuffer, {}))[1][name] = state_dict[key]
-    for dbuffer, tensors in per_dbuffer.values():
-        dbuffer.load_full(tensors)
+        per_dbuffer.setdefault(id(dbuffer), (dbuffer, {}))[1][name] = key
+    if not broadcast_from_rank0:
+        for dbuffer, tensor_keys in per_dbuffer.values():
+            dbuffer.load_full({name: state_dict[key] for name, key in tensor_keys.items()})
+        return
+    _agree_on_missing_keys(state_dict, [key for _, tensor_keys in per_dbuffer.values() for key in tensor_keys.values()])
+    for dbuffer in get_state(module).dbuffers():
+        if id(dbuffer) in per_dbuffer:
+            dbuffer.load_full(_broadcast_flat(dbuffer, state_dict, per_dbuffer[id(dbuffer)][1]))
+
+
+def _broadcast_flat(dbuffer: DBuffer, state_dict: dict[str, torch.Tensor], tensor_keys: dict[str, str]) -> dict[str, torch.Tensor]:
+    """Rank 0's full tensors of one DBuffer, packed at their layout offsets and broadcast: name -> full view."""
+    flat = torch.empty(dbuffer.world_size * dbuffer.layout.segment_size, dtype=dbuffer.master_dtype, device=dbuffer.device)
+    views = {}
+    for name, key in tensor_keys.items():
+        views[name] = _full_view(dbuffer, flat, name)
+        if dist.get_rank() == 0:
+            views[name].copy_(state_dict[key])
+    dist.broadcast(flat, src=0)
+    return views
+
+
+def _agree_on_missing_keys(state_dict: dict[str, torch.Tensor], keys: list[str]) -> None:
+    """Rank 0's missing keys, raised on every rank (so none is left waiting in a broadcast)."""
+    missing = [[key for key in keys if key not in state_dict] if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(missing, src=0)
+    if missing[0]:
+        raise KeyError(
+            f"load_full_state_dict(broadcast_from_rank0=True): rank 0's state_dict lacks {missing[0]}; "
+            "pass every key of full_state_dict(module) on rank 0"
+        )
+
+
+def _check_flag(name: str, value: object) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name}={value!r} must be True or False")

@@ -141,3 +141,4 @@ class LightningCheckpointIO:
         pending, self.writer.pending = self.writer.pending, None
         if pending is not None:
             pending.wait()
+        self.writer.release_staging()

@@ -202,3 +202,32 @@ def test_muon_state_dict_is_named_and_reloads():
     fresh.load_state_dict(state)
     assert fresh.param_groups[0]["lr"] == 0.1
     torch.testing.assert_close(fresh.state[weight]["momentum_buffer"], muon.state[weight]["momentum_buffer"].view(-1))
+
+
+def muon_policy_layout():
+    """Per parameter under ``shard_granularity="muon"``: (granularity, ranks holding a piece)."""
+    model = fully_shard(make_model(), shard_granularity="muon")
+    return {
+        name: (p.ragged_shard.granularity, sum(end > start for start, end in p.ragged_shard.rank_ranges))
+        for name, p in model.named_parameters()
+    }
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_muon_policy_matches_torch_muon_without_collectives(dist_pool, world_size):
+    """``shard_granularity="muon"``: Muon's matrices whole (0 collectives, bit-exact), AdamW's params cut."""
+    pool = dist_pool(world_size)
+    for rank_result in pool.run(same_gradients_against_torch_muon, ("muon",)):
+        assert rank_result == {"muon": 0.0}
+    per_rank = pool.run(train_against_torch_muon, ("muon",))
+    result = per_rank[0]["muon"]
+    assert result["moved"] > 1e-2
+    assert result["grad_diff"] <= 1e-6 and result["muon_diff"] <= 1e-6 and result["all_diff"] <= 1e-6, result
+    assert result["split"] == 0 and result["owned"] == 8, result  # 2 blocks x (qkv, proj, up, down)
+    assert all(c == 0 for r in per_rank for c in r["muon"]["counts"]), [r["muon"]["counts"] for r in per_rank]
+    layout = pool.run(muon_policy_layout)[0]
+    muon_named, _ = split_muon_params(make_model())
+    assert all(layout[name][1] == 1 for name, _ in muon_named), layout  # every Muon matrix whole on one rank
+    # The AdamW side is cut at rows: the (tied) embedding, 481 of the root group's 585 elements, spans ranks.
+    granularity, holders = layout["embed.weight"]
+    assert granularity == 13 and holders > 1, layout["embed.weight"]

@@ -63,11 +63,55 @@ def test_granularity_policy():
     assert resolve_granularity("block", "m", matrix, block_rows=128) == 60  # capped at the tensor
     assert resolve_granularity("block", "v", vector, block_rows=128) == 128
     assert resolve_granularity("matrix", "m", matrix) == 60
+    assert resolve_granularity("muon", "blocks.0.up.weight", matrix) == 60  # a hidden matrix: whole
+    assert resolve_granularity("muon", "embed.weight", matrix) == 6  # AdamW's side: rows
+    assert resolve_granularity("muon", "v", vector) == 1
     assert resolve_granularity(lambda name, p: 12, "m", matrix) == 12
     with pytest.raises(ValueError, match=r"shard_granularity='cols'.*'element'"):
         resolve_granularity("cols", "m", matrix)
     with pytest.raises(ValueError, match=r"returned 0 for parameter 'm'"):
         resolve_granularity(lambda name, p: 0, "m", matrix)
+
+
+def _muon_policy(model: torch.nn.Module) -> dict[str, int]:
+    return {name: resolve_granularity("muon", name, param) for name, param in model.named_parameters()}
+
+
+def _rows(param: torch.Tensor) -> int:
+    return param.numel() // param.shape[0] if param.dim() > 1 else 1
+
+
+def test_muon_policy_on_a_transformers_llama():
+    """Hidden projections whole; embedding, head and norms at rows: written out for the real model."""
+    pytest.importorskip("transformers")
+    from tests.hf_models import make_llama
+
+    model = make_llama()
+    params = dict(model.named_parameters())
+    hidden = {
+        f"model.layers.{i}.{m}.weight"
+        for i in range(2)
+        for m in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                  "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+    }
+    expected = {name: (p.numel() if name in hidden else _rows(p)) for name, p in params.items()}
+    assert expected["model.embed_tokens.weight"] == 32 and expected["lm_head.weight"] == 32
+    assert expected["model.norm.weight"] == 1 and expected["model.layers.0.mlp.down_proj.weight"] == 32 * 64
+    assert _muon_policy(model) == expected
+
+
+def test_muon_policy_on_the_benchmark_gpt_is_the_muon_split():
+    """On benchmarks/models.py's GPT: whole exactly where ``split_muon_params(model)`` says Muon."""
+    from benchmarks.models import GPTConfig, make_gpt
+    from lightning_ragged.optim import split_muon_params
+
+    model = make_gpt(GPTConfig(vocab=64, width=16, layers=2, heads=2, seq=8))
+    muon, adamw = split_muon_params(model)
+    assert {n for n, _ in muon} == {f"blocks.{i}.{m}.weight" for i in range(2) for m in ("qkv", "proj", "fc", "out")}
+    assert {"embed.weight", "pos.weight", "head.weight", "ln_f.weight", "blocks.0.fc.bias"} <= {n for n, _ in adamw}
+    granularity = _muon_policy(model)
+    assert {n: granularity[n] for n, _ in muon} == {n: p.numel() for n, p in muon}
+    assert {n: granularity[n] for n, _ in adamw} == {n: _rows(p) for n, p in adamw}
 
 
 def test_local_blocks_of_empty_and_partial_ranges():

@@ -7,8 +7,8 @@ flat shard, exactly as ``torch.optim.Muon`` does it on the full tensor):
 2. Newton–Schulz (``torch.optim._muon._zeropower_via_newtonschulz``: 5 steps in bf16 with
    coefficients (3.4445, −4.7750, 2.0315)) on the *whole* matrix:
 
-   * a matrix that lies whole in one rank's segment (``shard_granularity="matrix"``, or a
-     plan that happens to keep it whole) is orthogonalized by its owner — no collective;
+   * a matrix that lies whole in one rank's segment (``shard_granularity="muon"`` or
+     ``"matrix"``, or a plan that happens to keep it whole) is orthogonalized by its owner — no collective;
      the new values reach the other ranks through the next all-gather;
    * a matrix split across ranks is sent to a root rank chosen by load balancing
      (greedy, largest first, on Newton–Schulz FLOPs ≈ 5·(4a²b + 2a³) for a ≤ b, counting
@@ -38,10 +38,8 @@ from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
 
 from lightning_ragged.optim.named_state import RaggedOptimizer
 from lightning_ragged.optim.shards import local_flat
+from lightning_ragged.layout.granularity import NON_MUON_NAME_PARTS, is_muon_matrix
 from lightning_ragged.layout.ragged_shard import RaggedShard, shard_of
-
-NON_MUON_NAME_PARTS = ("embed", "wte", "wpe", "pos", "head", "lm_head", "output")
-"""Name fragments of 2-D parameters that the usual recipe gives to AdamW, not Muon."""
 
 
 def ns_flops(shape: Iterable[int], ns_steps: int = DEFAULT_NS_STEPS) -> int:
@@ -58,8 +56,9 @@ def split_muon_params(
 
     A parameter goes to Muon when its *global* shape is 2-D (sharded parameters are 1-D
     views; their ``ragged_shard.global_shape`` is used) and its name contains none of
-    ``non_muon`` (embeddings, positional tables, the output head). Given a module, the
-    weights of its ``nn.Embedding`` layers (and anything tied to them) also go to AdamW.
+    ``non_muon`` (embeddings, positional tables, the output head): ``is_muon_matrix``, the
+    rule ``shard_granularity="muon"`` shards by. Given a module, the weights of its
+    ``nn.Embedding`` layers (and anything tied to them) also go to AdamW.
     """
     embedding_ids: set[int] = set()
     if isinstance(named_params, torch.nn.Module):
@@ -70,8 +69,7 @@ def split_muon_params(
     parts = tuple(non_muon)
     muon, other = [], []
     for name, param in named_params:
-        is_matrix = len(shard_of(param, name).global_shape) == 2
-        hidden = is_matrix and id(param) not in embedding_ids and not any(part in name for part in parts)
+        hidden = id(param) not in embedding_ids and is_muon_matrix(name, shard_of(param, name).global_shape, parts)
         (muon if hidden else other).append((name, param))
     return muon, other
 

@@ -132,3 +132,92 @@ def test_killed_store_host_is_named(tmp_path):
         assert "rank 0's connection closed" in message, message
         assert "Rank 0, which hosts the rendezvous store (TCPStore 127.0.0.1:" in message and "is gone" in message
         assert "ranks [] were waiting" not in message and "unknown" not in message.split("Backend error")[0]
+
+
+# ------------------------------------------------------------------------ NCCL flight recorder
+FR_DUMPS = ROOT / "tests" / "fixtures" / "flight_recorder"  # tests/fixtures/make_flight_recorder_dumps.py
+
+
+def _torch_analyzer_missing(dumps: dict) -> list[tuple[int, str, set[int]]]:
+    """Oracle: torch's own fr_trace matcher over the same entries (gloo leaves pg_config empty: given here)."""
+    import copy
+
+    from torch.distributed.flight_recorder.components.builder import build_collectives, build_groups_memberships
+    from torch.distributed.flight_recorder.components.utils import align_trace_from_beginning
+
+    names = {e["process_group"] for d in dumps.values() for e in d["entries"]}
+    ranks = str(sorted(dumps))
+    pg_config = {r: {name: {"name": name, "desc": desc, "ranks": ranks} for name, desc in names} for r in dumps}
+    _, groups, _, memberships, guids = build_groups_memberships(pg_config)
+    entries = align_trace_from_beginning({r: copy.deepcopy(d["entries"]) for r, d in dumps.items()})
+    _, collectives, _ = build_collectives(entries, groups, memberships, guids, dumps[0]["version"])
+    return [(c.collective_seq_id, c.collective_name, c.missing_ranks) for c in collectives if c.missing_ranks]
+
+
+def test_flight_recorder_dump_names_the_stuck_collective_and_missing_rank():
+    from lightning_ragged.observability import flight_recorder
+
+    dumps = flight_recorder.read_dumps(FR_DUMPS)
+    assert sorted(dumps) == [0, 1, 2]
+    error = flight_recorder.stall_from_dumps(dumps, groups={("all_gather", 4, 12): "blocks.0"}, step=3)
+    assert isinstance(error, collective_errors.CollectiveTimeoutError)
+    # oracle 1: torch's analyzer; oracle 2: torch's own per-group counters written in the dumps
+    [(sequence, name, missing)] = _torch_analyzer_missing(dumps)
+    enqueued = {r: next(iter(d["pg_status"].values()))["last_enqueued_collective"] for r, d in dumps.items()}
+    assert error.missing_ranks == sorted(missing) == [r for r, n in enqueued.items() if n < max(enqueued.values())]
+    assert error.arrived_ranks == [0, 1] and error.sequence == sequence == max(enqueued.values())
+    assert error.collective == "all_gather" and name.endswith("all_gather")
+    assert error.group == "blocks.0" and error.step == 3
+    message = str(error)
+    for words in ("FSDP group 'blocks.0'", "step 3", f"collective #{sequence}", "ranks [2] did not arrive",
+                  "rank 2 at #6", "ranks [0, 1] were waiting"):
+        assert words in message, message
+    unnamed = flight_recorder.stall_from_dumps(dumps)  # without sizes -> group names: the process group
+    assert "process group" in unnamed.group and "unknown step" in str(unnamed) and unnamed.missing_ranks == [2]
+
+
+def test_flight_recorder_dumps_without_a_stall_and_with_a_rank_missing():
+    from lightning_ragged.observability import flight_recorder
+
+    dumps = flight_recorder.read_dumps(FR_DUMPS)
+    arrived = {r: dumps[r] for r in (0, 1)}
+    assert flight_recorder.stall_from_dumps(arrived) is None  # the two that dumped agree
+    in_step = {r: {**d, "entries": [e for e in d["entries"] if e["collective_seq_id"] <= 6]} for r, d in dumps.items()}
+    assert flight_recorder.stall_from_dumps(in_step) is None
+
+
+def test_flight_recorder_loader_executes_nothing(tmp_path):
+    import pickle
+
+    from lightning_ragged.observability import flight_recorder
+
+    marker = tmp_path / "ran"
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    bad = tmp_path / "nccl_trace_rank_0"
+    bad.write_bytes(pickle.dumps({"version": "2.10", "entries": [Evil()]}))
+    with pytest.raises(ValueError, match="refused, nothing executed"):
+        flight_recorder.read_dumps(tmp_path)
+    assert not marker.exists()
+    (tmp_path / "nccl_trace_rank_0").write_bytes(pickle.dumps({"not": "a dump"}))
+    with pytest.raises(ValueError, match="not a flight-recorder dump"):
+        flight_recorder.load_dump(bad)
+
+
+def test_configure_flight_recorder_sets_only_what_the_user_did_not(tmp_path):
+    from lightning_ragged.observability import flight_recorder
+
+    env = {"TORCH_NCCL_TRACE_BUFFER_SIZE": "77"}
+    applied = flight_recorder.configure_flight_recorder("nccl", tmp_path / "fr", environ=env)
+    assert env["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "77" and "TORCH_NCCL_TRACE_BUFFER_SIZE" not in applied
+    assert env["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
+    assert env["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] == str(tmp_path / "fr" / "nccl_trace_rank_")
+    assert (tmp_path / "fr").is_dir()
+    assert flight_recorder.configure_flight_recorder("gloo", tmp_path, environ={}) == {}
+    applied = flight_recorder.configure_flight_recorder("cpu:gloo,cuda:nccl", tmp_path, 10, environ={})
+    assert applied["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "10"
+    with pytest.raises(ValueError, match="buffer_size=0"):
+        flight_recorder.configure_flight_recorder("nccl", tmp_path, 0, environ={})

@@ -19,11 +19,12 @@ Keys (prefix ``ragged_fsdp/``; "per step" values are means over the logging wind
 ``step_seconds``                   wall-clock time of one optimizer step
 ``all_gathers``                    all-gathers per step (count)
 ``all_gather_bytes``               bytes all-gathered per step per rank (unsharded buffer sizes)
-``all_gather_seconds``             all-gather time in flight (issue to completion) per step
+``all_gather_seconds``             all-gather time in flight (issue to completion) per step (CUDA: device time)
 ``reduces``                        gradient reductions per step (count)
 ``reduce_bytes``                   bytes reduced per step per rank (flat gradient buffer sizes)
-``reduce_seconds``                 reduction time in flight per step
-``comm_blocked_seconds``           time the training thread waited in (or issued) collectives
+``reduce_seconds``                 reduction time in flight per step (CUDA: device time)
+``comm_blocked_seconds``           time the training thread waited in (or issued) collectives (CUDA: the
+                                   compute stream's stall on them, ``device_timing.py``)
 ``comm_hidden_ratio``              ``1 - blocked / in flight``: share of communication behind compute
 ``engine_copy_bytes``              bytes the engine copied outside collectives (mixed-precision casts)
 ``copy_bytes``                     bytes of every copy-like op in a sampled step (``count_copies_every_n_steps``)
@@ -39,6 +40,10 @@ Keys (prefix ``ragged_fsdp/``; "per step" values are means over the logging wind
 ``groups/<group>/padding_ratio``   per group (``<group>#<i>`` when a group has several DBuffers)
 ``groups/<group>/segment_size``    per group, elements
 =================================  ==================================================================
+
+On CUDA the three times come from timing events read lazily at :meth:`EngineMetrics.compute`
+(never a synchronize): a collective whose events have not completed on the device yet is
+counted in the next window.
 """
 
 from __future__ import annotations
@@ -52,10 +57,12 @@ import torch
 from torch import nn
 
 from lightning_ragged.engine.api import RaggedFSDPState
+from lightning_ragged.observability.device_timing import EventFactory
 from lightning_ragged.observability.probes import EngineProbe, probe, sharded_states
 
 PREFIX = "ragged_fsdp/"
 
+_DEVICE_TIMED = ("all_gather_seconds", "reduce_seconds", "comm_blocked_seconds")
 _COUNTERS = (
     "all_gathers",
     "all_gather_bytes",
@@ -85,7 +92,8 @@ def process_memory(device: torch.device | None = None) -> tuple[int, int]:
 class EngineMetrics:
     """Per-step engine metrics of one or more modules sharded by ``fully_shard``."""
 
-    def __init__(self, *modules: nn.Module | RaggedFSDPState) -> None:
+    def __init__(self, *modules: nn.Module | RaggedFSDPState, event_factory: EventFactory | None = None) -> None:
+        """``event_factory``: timing events for device-true times (default: CUDA events on CUDA modules)."""
         states: list[RaggedFSDPState] = []
         for module in modules:
             found = [module] if isinstance(module, RaggedFSDPState) else list(sharded_states(module))
@@ -95,7 +103,7 @@ class EngineMetrics:
                     "call fully_shard first"
                 )
             states += [state for state in found if all(state is not other for other in states)]
-        self.probes: list[EngineProbe] = [probe(state) for state in states]
+        self.probes: list[EngineProbe] = [probe(state, event_factory) for state in states]
         self.device = next(iter(self.probes[0].dbuffers)).dbuffer.device if self.probes[0].dbuffers else None
         self.steps_total = 0
         self._last_totals = self._totals()
@@ -114,22 +122,37 @@ class EngineMetrics:
             stats = p.state.stats
             a += stats.all_gathers
             g += stats.all_gather_bytes
-            s += stats.all_gather_seconds
             r += stats.reduces
             rb += stats.reduce_bytes
-            rs += stats.reduce_seconds
-            blocked += p.blocked_all_gather_seconds + p.blocked_reduce_seconds
+            timer = p.timer
+            s += stats.all_gather_seconds if timer is None else timer.all_gather_seconds
+            rs += stats.reduce_seconds if timer is None else timer.reduce_seconds
+            blocked += p.blocked_seconds
             copies += p.engine_copy_bytes
         return a, g, s, r, rb, rs, blocked, copies
+
+    def _fold(self, keys: Iterable[str] = _COUNTERS) -> None:
+        """Add the counters' growth since the last fold to the window."""
+        totals = self._totals()
+        last = list(self._last_totals)
+        for index, key in enumerate(_COUNTERS):
+            if key in keys:
+                self._window[key] += totals[index] - last[index]
+                last[index] = totals[index]
+        self._last_totals = tuple(last)
+
+    def _collect_device_times(self) -> None:
+        """Read the device times that completed (no synchronize) into the window."""
+        timers = [p.timer for p in self.probes if p.timer is not None]
+        for timer in timers:
+            timer.collect()
+        if timers:
+            self._fold(_DEVICE_TIMED)
 
     def end_step(self, copy_bytes: int | None = None) -> None:
         """Close one optimizer step: add its counters to the window (cheap: a few additions)."""
         now = time.perf_counter()
-        totals = self._totals()
-        window = self._window
-        for key, new, old in zip(_COUNTERS, totals, self._last_totals):
-            window[key] += new - old
-        self._last_totals = totals
+        self._fold()
         self._window_steps += 1
         self._window_seconds += now - self._step_started
         self._step_started = now
@@ -150,6 +173,7 @@ class EngineMetrics:
     # ---------------------------------------------------------- reporting
     def compute(self, per_group: bool = True, reset: bool = True) -> dict[str, float]:
         """Means per step over the window since the last ``compute(reset=True)``, plus gauges."""
+        self._collect_device_times()
         steps = max(self._window_steps, 1)
         window = self._window
         metrics = {key: value / steps for key, value in window.items()}
@@ -214,6 +238,7 @@ class EngineMetrics:
 
     def totals(self) -> dict[str, float]:
         """Cumulative counters since the module was sharded (for Prometheus counters)."""
+        self._collect_device_times()
         return dict(zip(_COUNTERS, self._totals()))
 
     def close(self) -> None:

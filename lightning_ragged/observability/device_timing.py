@@ -1,0 +1,104 @@
+"""Device-true collective times: timing events recorded around each collective, read lazily.
+
+On CUDA the training thread only enqueues: a collective's "wait" inserts a stream dependency
+and returns at once, so wall-clock times of the calls say nothing about the device. The
+probe (``probes.py``) hands every DBuffer event of a CUDA module to a
+:class:`CollectiveTimer`, which records a timing event on the current stream at each one:
+
+* ``S`` right after a collective is issued: the point the collective may start (the
+  backend's stream waits for the work enqueued before the issue);
+* ``E`` right after it is waited for: the point its consumer may use the result;
+* ``W`` the latest event recorded before that wait (any DBuffer event: a reshard, a
+  reduction issued, another wait; at least ``S``): the compute enqueued before the wait.
+
+In flight is ``E - S`` (issue to completion, as on CPU); the stream stalled on it for
+``E - W`` (an upper bound: compute enqueued after the last DBuffer event and before the
+wait counts as stall; exact in the engine's forward and backward, where every wait follows
+a reshard, a reduction or another wait). Nothing is read in the hot path:
+:meth:`CollectiveTimer.collect` (at ``EngineMetrics.compute``) reads only the pairs whose
+``E`` has completed (``query()``, never a synchronize) and leaves the rest for later.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Callable, Hashable, Protocol
+
+import torch
+
+
+class TimingEvent(Protocol):
+    """What :class:`torch.cuda.Event` offers (a test can hand in fakes with known times)."""
+
+    def record(self) -> None: ...
+
+    def query(self) -> bool: ...
+
+    def elapsed_time(self, end: "TimingEvent") -> float:
+        """Milliseconds from this event to ``end``."""
+
+
+EventFactory = Callable[[], TimingEvent]
+
+
+def device_event_factory(device: torch.device | None) -> EventFactory | None:
+    """Timing events of ``device``'s current stream (CUDA), or None (wall-clock times are device times)."""
+    if device is None or device.type != "cuda":
+        return None
+    return lambda: torch.cuda.Event(enable_timing=True)
+
+
+class CollectiveTimer:
+    """Cumulative device seconds in flight and stalled, per kind of collective."""
+
+    def __init__(self, factory: EventFactory) -> None:
+        self.factory = factory
+        self.all_gather_seconds = 0.0
+        self.reduce_seconds = 0.0
+        self.blocked_seconds = 0.0
+        self._last: TimingEvent | None = None
+        self._issued: dict[Hashable, TimingEvent] = {}
+        self._waited: deque[tuple[bool, TimingEvent, TimingEvent, TimingEvent]] = deque()
+
+    def _record(self) -> TimingEvent:
+        event = self.factory()
+        event.record()
+        self._last = event
+        return event
+
+    def mark(self) -> None:
+        """A DBuffer event that is not a collective: the compute enqueued so far."""
+        self._record()
+
+    def issued(self, key: Hashable) -> None:
+        self._issued[key] = self._record()
+
+    def failed(self, key: Hashable) -> None:
+        """The issue or the wait raised: nothing to time."""
+        self._issued.pop(key, None)
+
+    def waited(self, key: Hashable, gather: bool) -> None:
+        start = self._issued.pop(key, None)
+        before = self._last
+        end = self._record()
+        if start is not None:
+            self._waited.append((gather, start, before if before is not None else start, end))
+
+    @property
+    def pending(self) -> int:
+        """Waited-for collectives whose events have not completed on the device yet."""
+        return len(self._waited)
+
+    def collect(self) -> None:
+        """Add the times of every waited-for collective whose events completed (no synchronize)."""
+        while self._waited:
+            gather, start, before, end = self._waited[0]
+            if not (end.query() and start.query() and before.query()):
+                return  # later ones were recorded after it on the stream
+            self._waited.popleft()
+            in_flight = max(start.elapsed_time(end), 0.0) / 1000
+            if gather:
+                self.all_gather_seconds += in_flight
+            else:
+                self.reduce_seconds += in_flight
+            self.blocked_seconds += min(max(before.elapsed_time(end), 0.0) / 1000, in_flight)

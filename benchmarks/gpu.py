@@ -1,187 +1,473 @@
-"""The engine comparison on CUDA/NCCL: ragged ``fully_shard`` vs FSDP2 ``fully_shard`` vs DDP.
+"""The GPU check, one prepared script: parity, step time and memory, copies and collectives on CUDA.
 
-``python benchmarks/gpu.py [--rounds 5 --steps 10 --width 1024 --layers 8]`` from the
-repository root. One process per visible GPU (NCCL), bf16 compute with fp32 master
-weights for both FSDPs, the benchmark GPT of ``benchmarks/models.py``. Rounds alternate
-the order of the three variants; reported are median step times, ratios to the peers,
-peak CUDA memory, the bytes copied outside collectives in one step
-(``CopyCounter``) and the ragged engine's metrics (all-gather/reduce time, share hidden
-behind compute). With one GPU the "collectives" are on one rank, so the step times
-compare compute plus copies only; the copy bytes are meaningful either way.
+``python benchmarks/gpu.py [--budget-s 420] [--out DIR]`` from the repository root, on a
+machine with at least one CUDA device; it plans to finish in under 8 minutes on one H200:
 
-Without a GPU it prints that it is skipped and records that in RESULTS.md (it never
-overwrites earlier GPU results with a skip note).
+(a) **parity** (fp32, TF32 off): 5 AdamW steps of ragged ``fully_shard`` (both reduce modes)
+    against the same model trained in one process on the global batch, at world 1 (NCCL)
+    and world 2 (NCCL when there are two GPUs; on one GPU NCCL is tried and, when it refuses
+    two ranks on one device, gloo on CUDA tensors); pass: max |difference| <= 1e-5. In bf16
+    (``MixedPrecisionPolicy``) ragged's and FSDP2's distances to the fp32 reference, side by side.
+(b) **step time and memory**: ragged vs FSDP2 vs DDP on a ~1.1B-parameter Llama built from a
+    transformers ``LlamaConfig`` (random init, nothing downloaded), bf16 compute with fp32
+    master weights (DDP: fp32 weights under bf16 autocast), fused AdamW, one process per GPU.
+    One variant is alive at a time (built fresh each round, so its memory is its own); rounds
+    rotate the order. Reported: median step time with the spread, ``torch.cuda.max_memory_allocated``
+    and ``max_memory_reserved`` over the timed steps.
+(c) **copies and collectives** of one forward+backward of each variant (and of the plain model):
+    bytes written by copy-like operators (``CopyCounter``) and collectives (``CommDebugMode``).
+
+It writes the ``gpu`` section of ``benchmarks/RESULTS.md`` (``report.write_section``) and,
+with ``--out DIR``, ``gpu.md`` and ``gpu.json`` there. Without a CUDA device it stops at once
+(exit 2). ``--dry-run`` runs the same code on CPU with gloo and tiny models, end to end,
+and writes nowhere but ``--out``.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
+import json
 import os
 import platform
 import statistics
 import sys
 import tempfile
 import time
+from datetime import timedelta
 from pathlib import Path
+from typing import Any, Callable
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch import nn  # noqa: E402
 
+from models import GPTConfig, lm_loss, make_batches, make_gpt  # noqa: E402
 from report import write_section  # noqa: E402
 
-RESULTS = Path("benchmarks/RESULTS.md")
 VARIANTS = ("ragged", "fsdp2", "ddp")
+PARITY_STEPS = 5
+PARITY_TOLERANCE = 1e-5
+PARITY_CASES = ("ragged/fp32/reduce_scatter", "ragged/fp32/all_reduce", "ragged/bf16/reduce_scatter", "fsdp2/bf16/-")
+# TinyLlama-1.1B's shape: 1,100,048,384 parameters (untied head).
+LLAMA_1B = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
+                num_key_value_heads=4, vocab_size=32000, max_position_embeddings=2048, tie_word_embeddings=False)
+LLAMA_TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=256, max_position_embeddings=64, tie_word_embeddings=False)
+GPT_PARITY = dict(vocab=4096, width=256, layers=4, heads=4, seq=128)
+GPT_TINY = dict(vocab=1024, width=32, layers=2, heads=2, seq=16)  # make_batches uses 512 of the tokens
+NO_CUDA = ("benchmarks/gpu.py: no CUDA device (torch.cuda.is_available() is False); run it on a GPU machine, "
+           "or pass --dry-run to run the same code on CPU with tiny models")
 
 
-def _build(variant: str, cfg, device: torch.device):
-    import torch.distributed as dist
+# --------------------------------------------------------------------------- processes
+def _launch(fn: Callable, world: int, payload: dict, limit_s: float) -> tuple[dict | None, str | None]:
+    """Run ``fn(rank, world, init_file, payload, out)`` on ``world`` fresh processes; (rank 0's result, error)."""
+    handle, out = tempfile.mkstemp(prefix="ragged_gpu_out_")
+    os.close(handle)
+    init_file = out + ".init"
+    args = (world, init_file, payload, out)
+    context = mp.start_processes(fn, args=args, nprocs=world, join=False, start_method="spawn")
+    deadline = time.monotonic() + limit_s
+    try:
+        while not context.join(timeout=2):
+            if time.monotonic() > deadline:
+                for process in context.processes:
+                    process.kill()
+                return None, f"killed after {limit_s:.0f} s"
+        return torch.load(out, weights_only=False), None
+    except mp.ProcessRaisedException as error:
+        lines = [line for line in str(error).splitlines() if line.strip()]
+        return None, lines[-1][:300] if lines else "raised"
+    except mp.ProcessExitedException as error:
+        return None, str(error)[:300]
+    finally:
+        for path in (out, init_file):
+            if os.path.exists(path):
+                os.remove(path)
+
+
+def _init(rank: int, world: int, init_file: str, payload: dict) -> torch.device:
+    if payload["device"] == "cuda":
+        device = torch.device("cuda", rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    bind = {"device_id": device} if payload["backend"] == "nccl" else {}
+    dist.init_process_group(payload["backend"], init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=120), **bind)
+    return device
+
+
+def _first_line(error: BaseException) -> str:
+    return f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0][:240]}"
+
+
+# --------------------------------------------------------------------------- (a) parity
+def parity_worker(rank: int, world: int, init_file: str, payload: dict, out: str) -> None:
+    device = _init(rank, world, init_file, payload)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    cfg = GPTConfig(**payload["gpt"])
+    data = make_batches(PARITY_STEPS, payload["batch"] * world, cfg).to(device)
+    cases = {}
+    for case in payload["cases"]:
+        try:
+            cases[case] = {"max_diff": _parity_case(case, cfg, data, rank, world, device)}
+        except Exception as error:  # noqa: BLE001 - recorded per case (e.g. a collective gloo lacks on CUDA)
+            cases[case] = {"error": _first_line(error)}
+    if rank == 0:
+        torch.save({"cases": cases}, out)
+    dist.destroy_process_group()
+
+
+def _parity_case(case: str, cfg: GPTConfig, data: torch.Tensor, rank: int, world: int, device: torch.device) -> float:
+    """Max |difference| of all parameters after PARITY_STEPS AdamW steps, sharded vs one process."""
+    import lightning_ragged as lr
     from torch.distributed.fsdp import MixedPrecisionPolicy
     from torch.distributed.fsdp import fully_shard as fsdp2_shard
-    from torch.nn.parallel import DistributedDataParallel
+
+    variant, precision, mode = case.split("/")
+    bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    policy = bf16 if precision == "bf16" else None
+    reference, model = make_gpt(cfg).to(device), make_gpt(cfg).to(device)
+    if variant == "ragged":
+        lr.fully_shard(model, mp_policy=policy, reduce_mode=mode, device=device)
+    else:
+        for block in model.blocks:
+            fsdp2_shard(block, mp_policy=policy)
+        fsdp2_shard(model, mp_policy=policy)
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, reference)]
+    per_rank = data.shape[1] // world
+    for step in range(PARITY_STEPS):
+        lm_loss(model, data[step, rank * per_rank : (rank + 1) * per_rank]).backward()
+        # the global batch's mean loss, summed as the ranks' equal shares (the same value, a closer rounding order)
+        sum(lm_loss(reference, share) for share in data[step].chunk(world)).div(world).backward()
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    if variant == "ragged":
+        full = lr.full_state_dict(model)
+    else:
+        full = {key: value.full_tensor() for key, value in model.state_dict().items()}
+    expected = reference.state_dict()
+    return max((full[key].float() - expected[key].float()).abs().max().item() for key in expected)
+
+
+# --------------------------------------------------------------------------- (b), (c) Llama
+def _build(variant: str, config: Any, device: torch.device) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """A fresh, identically seeded Llama wrapped by ``variant`` ("local": unwrapped), and fused AdamW."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    from torch.distributed.fsdp import fully_shard as fsdp2_shard
+    from transformers import LlamaForCausalLM
 
     import lightning_ragged as lr
-    from models import make_gpt
 
-    model = make_gpt(cfg).to(device)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = LlamaForCausalLM(config)
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     if variant == "ragged":
         lr.fully_shard(model, mp_policy=policy, device=device)
     elif variant == "fsdp2":
-        for block in model.blocks:
-            fsdp2_shard(block, mp_policy=policy)
+        for layer in model.model.layers:
+            fsdp2_shard(layer, mp_policy=policy)
         fsdp2_shard(model, mp_policy=policy)
-    else:
-        model = DistributedDataParallel(model, device_ids=[device.index])
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-    dist.barrier()
-    return model, optimizer
+    elif variant == "ddp":
+        model = nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    params = [p for p in model.parameters() if p.requires_grad]
+    return model, torch.optim.AdamW(params, lr=1e-4, fused=device.type == "cuda")
 
 
-def _step(variant: str, model, optimizer, tokens) -> None:
-    from models import lm_loss
+def _forward_backward(variant: str, model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    autocast = torch.autocast(tokens.device.type, dtype=torch.bfloat16, enabled=variant in ("ddp", "local"))
+    with autocast:
+        logits = model(input_ids=tokens[:, :-1]).logits
+    loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+    loss.backward()
+    return loss.detach()
 
-    context = torch.autocast("cuda", dtype=torch.bfloat16) if variant == "ddp" else torch.autocast("cuda", enabled=False)
-    with context:
-        loss = lm_loss(model, tokens)
-    loss.float().backward()
+
+def _step(variant: str, model: nn.Module, optimizer: torch.optim.Optimizer, tokens: torch.Tensor) -> None:
+    _forward_backward(variant, model, tokens)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
 
 
-def worker(rank: int, world: int, init_file: str, args: argparse.Namespace, out: str) -> None:
-    import torch.distributed as dist
+def _count(variant: str, model: nn.Module, optimizer: torch.optim.Optimizer, tokens: torch.Tensor) -> dict:
+    """Copies and collectives of one forward+backward (after warm-up), and for ragged its engine counters."""
+    from torch.distributed.tensor.debug import CommDebugMode
 
     from lightning_ragged.observability.copy_counter import CopyCounter
-    from lightning_ragged.observability.metrics import EngineMetrics
-    from models import GPTConfig, make_batches
 
-    torch.cuda.set_device(rank)
-    device = torch.device("cuda", rank)
-    dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    cfg = GPTConfig(width=args.width, layers=args.layers, heads=args.width // 64, seq=args.seq, vocab=args.vocab)
-    batches = make_batches(1, args.batch * world, cfg)[0].to(device)
-    tokens = batches[rank * args.batch : (rank + 1) * args.batch]
-    built = {variant: _build(variant, cfg, device) for variant in VARIANTS}
-    times: dict[str, list[float]] = {variant: [] for variant in VARIANTS}
-    peaks, copies = {}, {}
-    for variant, (model, optimizer) in built.items():
-        for _ in range(3):
-            _step(variant, model, optimizer, tokens)
-        with CopyCounter() as counter:
-            _step(variant, model, optimizer, tokens)
-        copies[variant] = counter.total_bytes
-    metrics = EngineMetrics(built["ragged"][0])
-    for round_index in range(args.rounds):
-        order = VARIANTS if round_index % 2 == 0 else tuple(reversed(VARIANTS))
+    optimizer.zero_grad(set_to_none=True)
+    with CommDebugMode() as comm, CopyCounter() as copies:
+        _forward_backward(variant, model, tokens)
+    result = {
+        "copy_bytes": copies.total_bytes,
+        "copy_by_op": dict(copies.by_op),
+        "collectives": comm.get_total_counts(),
+        "collectives_by_op": {str(op): n for op, n in comm.get_comm_counts().items()},
+    }
+    optimizer.zero_grad(set_to_none=True)
+    if variant == "ragged":
+        import lightning_ragged as lr
+        from lightning_ragged.observability.metrics import EngineMetrics
+
+        stats = lr.get_state(model).stats
+        stats.reset()
+        metrics = EngineMetrics(model)
+        _step(variant, model, optimizer, tokens)
+        metrics.end_step()
+        names = ("all_gathers", "all_gather_bytes", "reduces", "reduce_bytes")
+        result["engine_stats"] = {name: getattr(stats, name) for name in names}
+        result["engine_metrics"] = {k: float(v) for k, v in metrics.compute(per_group=False).items()}
+        metrics.close()
+    return result
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _free(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def bench_worker(rank: int, world: int, init_file: str, payload: dict, out: str) -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    device = _init(rank, world, init_file, payload)
+    deadline = time.monotonic() + payload["budget_s"]
+    config = LlamaConfig(**payload["llama"], use_cache=False)
+    with torch.device("meta"):
+        params = sum(p.numel() for p in LlamaForCausalLM(config).parameters())
+    generator = torch.Generator().manual_seed(1 + rank)
+    tokens = torch.randint(0, config.vocab_size, (payload["batch"], payload["seq"] + 1), generator=generator).to(device)
+    cuda = device.type == "cuda"
+    rows = {v: {"times": [], "max_allocated": 0, "max_reserved": 0, "build_s": []} for v in VARIANTS}
+    counts: dict[str, Any] = {}
+    notes: list[str] = []
+    round_s = 0.0
+    for round_index in range(payload["rounds"]):
+        if round_index and time.monotonic() + round_s > deadline:
+            notes.append(f"stopped after {round_index} rounds: the next would pass the time budget")
+            break
+        started = time.monotonic()
+        order = VARIANTS[round_index % 3 :] + VARIANTS[: round_index % 3]
         for variant in order:
-            model, optimizer = built[variant]
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats(device)
-            dist.barrier()
-            started = time.perf_counter()
-            for _ in range(args.steps):
+            built = time.perf_counter()
+            model, optimizer = _build(variant, config, device)
+            rows[variant]["build_s"].append(time.perf_counter() - built)
+            for _ in range(payload["warmup"]):
                 _step(variant, model, optimizer, tokens)
-                if variant == "ragged":
-                    metrics.end_step()
-            torch.cuda.synchronize()
-            times[variant].append((time.perf_counter() - started) / args.steps)
-            peaks[variant] = max(peaks.get(variant, 0), torch.cuda.max_memory_allocated(device))
-    engine = metrics.compute(per_group=False)
-    params = sum(p.numel() for p in make_gpt(cfg).parameters())
+            _sync(device)
+            if cuda:
+                torch.cuda.reset_peak_memory_stats(device)
+            dist.barrier()
+            timed = time.perf_counter()
+            for _ in range(payload["steps"]):
+                _step(variant, model, optimizer, tokens)
+            _sync(device)
+            rows[variant]["times"].append((time.perf_counter() - timed) / payload["steps"])
+            if cuda:
+                row = rows[variant]
+                row["max_allocated"] = max(row["max_allocated"], torch.cuda.max_memory_allocated(device))
+                row["max_reserved"] = max(row["max_reserved"], torch.cuda.max_memory_reserved(device))
+            if round_index == 0:
+                counts[variant] = _count(variant, model, optimizer, tokens)
+            del model, optimizer
+            _free(device)
+        round_s = time.monotonic() - started
+    if time.monotonic() + round_s / 3 < deadline:
+        model, optimizer = _build("local", config, device)
+        _step("local", model, optimizer, tokens)
+        counts["local"] = _count("local", model, optimizer, tokens)
+        del model, optimizer
+        _free(device)
+    else:
+        notes.append("plain-model copy count skipped: time budget")
     if rank == 0:
-        torch.save(dict(times=times, peaks=peaks, copies=copies, engine=engine, params=params, world=world), out)
+        torch.save({"rows": rows, "counts": counts, "notes": notes, "params": params}, out)
     dist.destroy_process_group()
 
 
-def render(result: dict, args: argparse.Namespace, wall: float) -> str:
-    medians = {v: statistics.median(result["times"][v]) for v in VARIANTS}
-    name = torch.cuda.get_device_name(0)
-    engine = result["engine"]
+# --------------------------------------------------------------------------- driving and report
+def run(args: argparse.Namespace) -> dict:
+    started = time.monotonic()
+    dry = args.dry_run
+    device = "cpu" if dry else "cuda"
+    gpus = 0 if dry else torch.cuda.device_count()
+    gpt = GPT_TINY if dry else GPT_PARITY
+    common = {"device": device, "gpt": gpt, "batch": 4, "cases": PARITY_CASES}
+    parity: list[dict] = []
+
+    def parity_run(world: int, backend: str, why: str, limit_s: float = args.phase_limit_s) -> str | None:
+        result, error = _launch(parity_worker, world, {**common, "backend": backend}, limit_s=limit_s)
+        parity.append({"world": world, "backend": backend, "why": why, "error": error,
+                       "cases": result["cases"] if result else {}})
+        return error
+
+    parity_run(1, "gloo" if dry else "nccl", "one process")
+    if dry:
+        parity_run(2, "gloo", "CPU dry run")
+    elif gpus >= 2:
+        parity_run(2, "nccl", "two GPUs")
+    elif parity_run(2, "nccl", "two ranks on one GPU", limit_s=min(45.0, args.phase_limit_s)) is not None:
+        parity_run(2, "gloo", "NCCL refused two ranks on one GPU: gloo on CUDA tensors")
+    world = 1 if dry else max(1, gpus)
+    budget = max(30.0, args.budget_s - (time.monotonic() - started))
+    payload = {
+        "device": device, "backend": "gloo" if dry else "nccl", "budget_s": budget,
+        "llama": LLAMA_TINY if dry else LLAMA_1B, "batch": 2 if dry else args.batch, "seq": 32 if dry else args.seq,
+        "rounds": 2 if dry else args.rounds, "steps": 2 if dry else args.steps, "warmup": 1 if dry else 2,
+    }
+    bench, error = _launch(bench_worker, world, payload, limit_s=budget + 45)
+    meta = {
+        "dry_run": dry, "world": world, "torch": torch.__version__, "cuda": torch.version.cuda,
+        "python": platform.python_version(), "wall_s": time.monotonic() - started,
+        "device_name": torch.cuda.get_device_name(0) if gpus else platform.processor() or platform.machine(),
+        "nccl": ".".join(map(str, torch.cuda.nccl.version())) if gpus else None, "payload": payload,
+    }
+    return {"meta": meta, "parity": parity, "bench": bench, "bench_error": error}
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n else "n/a"
+
+
+def _ratio(a: float, b: float) -> str:
+    return f"{a / b:.3f}" if a and b else "n/a"
+
+
+def _verdict(case: str, outcome: dict, cases: dict) -> str:
+    """fp32: against the tolerance; ragged bf16: its distance as a multiple of FSDP2's on the same run."""
+    if "/fp32/" in case:
+        return "pass" if outcome["max_diff"] <= PARITY_TOLERANCE else "FAIL"
+    fsdp2 = cases.get("fsdp2/bf16/-", {}).get("max_diff")
+    if case.startswith("ragged/") and fsdp2:
+        return f"{outcome['max_diff'] / fsdp2:.2f} x FSDP2's distance"
+    return "FSDP2's own bf16 distance"
+
+
+def _parity_lines(parity: list[dict]) -> list[str]:
     lines = [
-        "## GPU: ragged fully_shard vs FSDP2 vs DDP on CUDA/NCCL",
+        f"### (a) Parity: {PARITY_STEPS} AdamW steps vs one process on the global batch "
+        f"(benchmark GPT; fp32 without TF32 passes at <= {PARITY_TOLERANCE:g}; bf16 against the fp32 reference)",
         "",
-        f"Written by `benchmarks/gpu.py`. {result['world']} x {name}, NCCL, torch {torch.__version__}, "
-        f"CUDA {torch.version.cuda}, Python {platform.python_version()}. GPT width {args.width}, {args.layers} blocks, "
-        f"seq {args.seq}, vocab {args.vocab} ({result['params']:,} parameters), batch {args.batch} per GPU, "
-        "bf16 compute / fp32 master (DDP: fp32 weights under bf16 autocast), fused AdamW. "
-        f"{args.rounds} alternated rounds of {args.steps} steps; wall {wall:.0f} s.",
-        "",
-        "| variant | median step | vs ragged | peak CUDA memory | bytes copied outside collectives per step |",
-        "|---|---:|---:|---:|---:|",
+        "| world | backend | why | case | max abs difference | |",
+        "|---:|---|---|---|---:|---|",
     ]
-    for variant in VARIANTS:
+    for run_ in parity:
+        where = f"| {run_['world']} | {run_['backend']} | {run_['why']} |"
+        if run_["error"]:
+            lines.append(f"{where} (all) | - | failed: `{run_['error']}` |")
+        for case, outcome in run_["cases"].items():
+            if "error" in outcome:
+                lines.append(f"{where} {case} | - | `{outcome['error']}` |")
+            else:
+                verdict = _verdict(case, outcome, run_["cases"])
+                lines.append(f"{where} {case} | {outcome['max_diff']:.2e} | {verdict} |")
+    return lines
+
+
+def _bench_lines(bench: dict, payload: dict) -> list[str]:
+    rows, counts = bench["rows"], bench["counts"]
+    median = {v: statistics.median(rows[v]["times"]) if rows[v]["times"] else 0.0 for v in VARIANTS}
+    lines = [
+        "",
+        f"{bench['params']:,} parameters; {len(rows['ragged']['times'])} rounds rotating the order, each variant "
+        f"built fresh per round (alone in memory), {payload['warmup']} warm-up + {payload['steps']} timed steps; "
+        "memory is the peak over the timed steps.",
+        "",
+        "| variant | median step | spread | vs FSDP2 | vs DDP | max allocated | vs FSDP2 | max reserved | vs FSDP2 |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    fsdp2 = rows["fsdp2"]
+    for v in VARIANTS:
+        r, times = rows[v], rows[v]["times"]
+        spread = f"{min(times) * 1e3:.1f}-{max(times) * 1e3:.1f} ms" if times else "-"
         lines.append(
-            f"| {variant} | {medians[variant] * 1e3:.2f} ms | {medians[variant] / medians['ragged']:.3f} "
-            f"| {result['peaks'][variant] / 2**20:,.0f} MiB | {result['copies'][variant] / 2**20:,.1f} MiB |"
+            f"| {v} | {median[v] * 1e3:.1f} ms | {spread} | {_ratio(median[v], median['fsdp2'])} "
+            f"| {_ratio(median[v], median['ddp'])} | {_gib(r['max_allocated'])} "
+            f"| {_ratio(r['max_allocated'], fsdp2['max_allocated'])} | {_gib(r['max_reserved'])} "
+            f"| {_ratio(r['max_reserved'], fsdp2['max_reserved'])} |"
         )
     lines += [
         "",
-        f"Ragged engine metrics (per step): all-gather {engine['ragged_fsdp/all_gather_bytes'] / 2**20:,.1f} MiB in "
-        f"{engine['ragged_fsdp/all_gather_seconds'] * 1e3:.2f} ms, reduce {engine['ragged_fsdp/reduce_bytes'] / 2**20:,.1f} "
-        f"MiB in {engine['ragged_fsdp/reduce_seconds'] * 1e3:.2f} ms, share of communication hidden behind compute "
-        f"{engine['ragged_fsdp/comm_hidden_ratio']:.1%} (CPU-side: NCCL work is asynchronous to the host, so on GPU "
-        "these times are the host's view).",
+        "### (c) One forward+backward: bytes written by copy-like operators (`CopyCounter`), "
+        "collectives as `CommDebugMode` sees them",
+        "",
+        "| variant | copy bytes | collectives | by operator |",
+        "|---|---:|---:|---|",
     ]
-    return "\n".join(lines)
+    for v, c in counts.items():
+        ops = ", ".join(f"{op.split('.')[-1]} {n}" for op, n in sorted(c["collectives_by_op"].items())) or "-"
+        name = "plain model (bf16 autocast)" if v == "local" else v
+        lines.append(f"| {name} | {c['copy_bytes'] / 2**20:,.1f} MiB | {c['collectives']} | {ops} |")
+    if "ragged" in counts:
+        s = counts["ragged"]["engine_stats"]
+        lines += [
+            "",
+            f"Ragged engine, one step: {s['all_gathers']} all-gathers ({s['all_gather_bytes'] / 2**20:,.1f} MiB), "
+            f"{s['reduces']} reductions ({s['reduce_bytes'] / 2**20:,.1f} MiB).",
+        ]
+    return lines + [f"- {note}" for note in bench["notes"]]
+
+
+def render(result: dict) -> str:
+    meta, payload = result["meta"], result["meta"]["payload"]
+    dry = " (CPU dry run: not GPU numbers)" if meta["dry_run"] else ""
+    lines = [
+        f"## GPU: ragged fully_shard vs FSDP2 vs DDP on CUDA{dry}",
+        "",
+        f"Written by `benchmarks/gpu.py{' --dry-run' if meta['dry_run'] else ''}` on {time.strftime('%Y-%m-%d')}: "
+        f"{meta['world']} x {meta['device_name']}, torch {meta['torch']}, CUDA {meta['cuda']}, NCCL {meta['nccl']}, "
+        f"Python {meta['python']}; wall {meta['wall_s']:.0f} s.",
+        "",
+        *_parity_lines(result["parity"]),
+        "",
+        f"### (b) Llama from config: bf16 compute / fp32 master, fused AdamW, "
+        f"batch {payload['batch']} x seq {payload['seq']} per rank",
+    ]
+    if result["bench"] is None:
+        return "\n".join(lines + ["", f"Not measured: `{result['bench_error']}`."])
+    return "\n".join(lines + _bench_lines(result["bench"], payload))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dry-run", action="store_true", help="the same code on CPU, gloo, tiny models (writes only --out)")
+    parser.add_argument("--budget-s", type=float, default=420.0, help="wall-clock plan for the run (rounds stop early)")
+    parser.add_argument("--phase-limit-s", type=float, default=90.0, help="a parity phase is killed after this long")
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--width", type=int, default=1024)
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--seq", type=int, default=512)
-    parser.add_argument("--vocab", type=int, default=32768)
-    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=2048)
+    parser.add_argument("--out", type=Path, default=None, help="also write gpu.md and gpu.json into this folder")
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        message = "GPU comparison skipped: no CUDA device on this machine (torch.cuda.is_available() is False)."
-        print(message)
-        text = RESULTS.read_text() if RESULTS.exists() else ""
-        existing = text.split("<!-- BEGIN gpu -->", 1)[1].split("<!-- END gpu -->", 1)[0] if "<!-- BEGIN gpu -->" in text else ""
-        if not existing.strip() or "skipped" in existing:
-            write_section(
-                "gpu",
-                "## GPU: ragged fully_shard vs FSDP2 vs DDP on CUDA/NCCL\n\n"
-                f"Skipped on {time.strftime('%Y-%m-%d')}: no CUDA device on the machine that ran "
-                "`benchmarks/gpu.py` (run it on a GPU machine to fill this section).",
-            )
-        return
-    import torch.multiprocessing as mp
-
-    world = torch.cuda.device_count()
-    init_file = tempfile.mktemp(prefix="ragged_gpu_")
-    out = tempfile.mktemp(prefix="ragged_gpu_result_")
-    started = time.perf_counter()
-    mp.spawn(worker, args=(world, init_file, args, out), nprocs=world)
-    result = torch.load(out)
-    os.remove(out)
-    markdown = render(result, args, time.perf_counter() - started)
+    if not args.dry_run and not torch.cuda.is_available():
+        print(NO_CUDA, file=sys.stderr)
+        raise SystemExit(2)
+    result = run(args)
+    markdown = render(result)
     print(markdown)
-    write_section("gpu", markdown)
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "gpu.md").write_text(markdown + "\n")
+        (args.out / "gpu.json").write_text(json.dumps(result, indent=1, default=str))
+    if not args.dry_run:
+        write_section("gpu", markdown, ROOT / "benchmarks" / "RESULTS.md")
 
 
 if __name__ == "__main__":

@@ -21,30 +21,12 @@ from torch import nn
 
 from lightning_ragged.engine.api import DEFAULT_DBUFFER_SIZE
 from lightning_ragged.engine.grouping import plan_groups
+from lightning_ragged.layout.auto import GroupKind, Shapes  # the auto-planner's input types, defined there
 
-Shapes = list[tuple[str, tuple[int, ...]]]
 _EXPERT = re.compile(r"experts\.(\d+)\.")
 
 PRESETS: dict[str, dict[str, Any]] = json.loads(Path(__file__).with_name("presets.json").read_text())
 """meta-llama/Llama-3-70B, deepseek-ai/DeepSeek-V3 and openai/gpt-oss-120b: their config.json's shape fields."""
-
-
-@dataclass
-class GroupKind:
-    """One distinct FSDP group of a model and how many identical copies it has.
-
-    ``runs`` are the group's tensors (names relative to the group's module) split where
-    another group's tensors come between them in module order; the engine gives each run
-    its own DBuffer (the root's embeddings come before the blocks, its norm and head after).
-    """
-
-    name: str
-    count: int
-    runs: list[Shapes]
-
-    @property
-    def shapes(self) -> Shapes:
-        return [entry for run in self.runs for entry in run]
 
 
 @dataclass
@@ -161,4 +143,4 @@ def _label(kind: GroupKind, names: list[str], kinds: dict[tuple, GroupKind], exp
         label += f" {first}-{last}" if contiguous and len(ends) > 1 else f" {','.join(ends)}"
     if any(".experts." in f".{name}" for name, _ in kind.shapes):
         label += f" (MoE, experts {experts or 'fused'})"
-    return GroupKind(label, kind.count, kind.runs)
+    return GroupKind(label, kind.count, kind.runs, list(names))

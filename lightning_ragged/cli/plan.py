@@ -1,7 +1,8 @@
 """Plan report: what sharding a model with ``fully_shard`` would cost, before any GPU is rented.
 
 ``python -m lightning_ragged.plan --config <config.json | llama3-70b | deepseek-v3 | gpt-oss-120b>
---world-size N [--granularity row] [--replicate-degree R] [--plot padding.png] [--json]``
+--world-size N [--granularity row] [--replicate-degree R] [--plot padding.png] [--json]
+[--auto --memory-budget 80GB]``
 
 For every distinct FSDP group of the model (the groups ``fully_shard`` forms: one
 transformer block per group, identical blocks counted once; embeddings, final norm and
@@ -12,6 +13,10 @@ size S, the padding, the block cuts avoided and the plan time, then the per-rank
 estimate. "Block cuts avoided" counts the rank boundaries of an even flat split of the
 same group (FSDP1/ZeRO style: segments of ``ceil(total / ranks)``) that would fall
 inside a block of the chosen granularity; the ragged plan has none by construction.
+
+With ``--auto`` it instead chooses how many consecutive blocks form one group and the
+replicate degree within ``--memory-budget`` (:func:`lightning_ragged.layout.auto.auto_plan`)
+and reports the choice and why, per group.
 
 The model is built on the meta device by ``transformers`` from a Hugging Face
 ``config.json`` or a named preset (:mod:`lightning_ragged.cli.model_groups`); no weights
@@ -27,27 +32,16 @@ import time
 from typing import Any, Optional, Sequence
 
 from lightning_ragged.cli.model_groups import PRESETS, ModelDescription, describe_model, load_config
+from lightning_ragged.layout.granularity import POLICIES
+from lightning_ragged.layout.auto import DEFAULT_PADDING_TARGET, AutoPlan, auto_plan, shape_granularity
+from lightning_ragged.layout.memory import DTYPE_BYTES, OPTIMIZER_STATE_BYTES, memory_estimate, parse_bytes
 
-DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
-OPTIMIZER_STATE_BYTES = {
-    # bytes of optimizer state per parameter element
-    "adamw": 8.0,  # exp_avg + exp_avg_sq in fp32
-    "muon": 4.0,  # momentum buffer in fp32
-    "sgd": 4.0,  # momentum buffer
-    "adamw8bit": 2.0 + 2 * 4 / 256,  # two 8-bit states + an fp32 scale per 256-element block each
-    "none": 0.0,
-}
-GRANULARITIES = ("element", "row", "block", "matrix")
 
 
 # ------------------------------------------------------------------------- planning
 def granularity_of(policy: str, name: str, shape: tuple[int, ...], block_rows: int) -> int:
     """The engine's granularity for a parameter of this shape (``resolve_granularity`` on a meta tensor)."""
-    import torch
-
-    from lightning_ragged.layout.granularity import resolve_granularity
-
-    return resolve_granularity(policy, name, torch.empty(shape, device="meta"), block_rows)
+    return shape_granularity(policy, name, shape, block_rows)
 
 
 def block_cuts(specs: Sequence[Any], world_size: int) -> int:
@@ -116,28 +110,6 @@ def plan_model(
     return results
 
 
-def memory_estimate(
-    groups: list[dict[str, Any]], shard_world: int, master_bytes: int, param_bytes: int, optimizer: str
-) -> dict[str, float]:
-    """Per-rank bytes: sharded params, grads and optimizer states; the largest full group (params, grads)."""
-    segment_elements = sum(g["count"] * sum(b["segment_size"] for b in g["dbuffers"]) for g in groups)
-    largest = max(sum(b["segment_size"] * shard_world for b in g["dbuffers"]) for g in groups)
-    params = segment_elements * master_bytes
-    grads = segment_elements * master_bytes
-    states = segment_elements * OPTIMIZER_STATE_BYTES[optimizer]
-    unsharded = largest * param_bytes
-    # One group computing and the next one prefetched, plus one full gradient buffer in backward.
-    transient = 2 * unsharded + largest * param_bytes
-    return dict(
-        params=params,
-        grads=grads,
-        optimizer_states=states,
-        largest_unsharded_group=unsharded,
-        transient_peak=transient,
-        total=params + grads + states + transient,
-    )
-
-
 # ------------------------------------------------------------------------- output
 def _bytes(value: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
@@ -166,13 +138,20 @@ def render_table(report: dict[str, Any]) -> str:
                 f"| {dbuffer['segment_size']:,} | {dbuffer['padding']:,} | {dbuffer['padding_ratio']:.2%} "
                 f"| {dbuffer['block_cuts_avoided']:,} | {dbuffer['plan_seconds']:.3f} |"
             )
-    memory = report["memory"]
     lines += [
         "",
         f"Whole model: padding {report['padding_ratio']:.2%} of the parameters; "
         f"{report['root_fraction']:.2%} of them in the root group (never resharded after forward); "
         f"{report['block_cuts_avoided']:,} block cuts avoided per step's layout; planning {report['plan_seconds']:.3f} s.",
         "",
+    ]
+    return "\n".join(lines + memory_lines(report))
+
+
+def memory_lines(report: dict[str, Any]) -> list[str]:
+    """The per-rank memory estimate, one line per part."""
+    memory = report["memory"]
+    return [
         f"Per-rank memory estimate (master {report['master_dtype']}, compute {report['param_dtype']}, "
         f"optimizer {report['optimizer']}; activations not included):",
         f"  parameters (sharded)        {_bytes(memory['params'])}",
@@ -183,18 +162,85 @@ def render_table(report: dict[str, Any]) -> str:
         "  (2 full groups: computing + prefetched, and 1 full gradient buffer)",
         f"  total                       {_bytes(memory['total'])}",
     ]
-    return "\n".join(lines)
+
+
+def render_auto(report: dict[str, Any]) -> str:
+    """The ``--auto`` report: the choice per group and why, the totals, the memory estimate."""
+    lines = [
+        f"{report['model']}: {report['total_params']:,} parameters; world size {report['world_size']:,}; "
+        f"auto plan within {report['memory_budget_bytes']:,} bytes ({_bytes(report['memory_budget_bytes'])}) per rank, "
+        f"padding target "
+        f"{report['padding_target']:.0%}; granularity {report['granularity']!r}"
+        + (f" ({report['block_rows']} rows)" if report["granularity"] == "block" else "")
+        + f"; planner {report['algorithm']!r}, alignment {report['alignment']}",
+        "",
+        "| group | blocks per group | groups | segment S per DBuffer | padding % | lower bound % | unsharded "
+        "| sharded per rank | why |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for g in report["groups"]:
+        lines.append(
+            f"| {g['group']} | {g['blocks']} | {g['count']} | {', '.join(f'{s:,}' for s in g['segment_sizes'])} "
+            f"| {g['padding_ratio']:.2%} | {g['lower_bound_padding_ratio']:.2%} | {_bytes(g['unsharded_bytes'])} "
+            f"| {_bytes(g['sharded_bytes_per_rank'])} | {g['why']} |"
+        )
+    lines += [
+        "",
+        f"Choice: replicate degree {report['replicate_degree']} (shard over {report['shard_world_size']:,} ranks), "
+        f"dbuffer_size={report['dbuffer_size']:,} (one DBuffer per run of a group). Padding "
+        f"{report['padding_ratio']:.2%} (lower bound of this choice {report['lower_bound_padding_ratio']:.2%}; "
+        f"lowest bound of any choice within the budget {report['best_bound_padding_ratio']:.2%}).",
+        f"Why: {report['why']}.",
+        f"Per step and rank: {report['collectives_per_step']:,} collectives, {_bytes(report['bytes_sent_per_step'])} "
+        "sent (ring algorithms; blocks gathered twice, the root once).",
+        f"Searched {report['choices']:,} choices with {report['plans']:,} exact plans in {report['seconds']:.3f} s.",
+        "",
+    ]
+    return "\n".join(lines + memory_lines(report))
+
+
+def describe(args: argparse.Namespace) -> tuple[str, ModelDescription]:
+    name, config = load_config(args.config)
+    try:
+        return name, describe_model(config, name, args.experts)
+    except ValueError as error:  # a model_type or architecture transformers does not know
+        raise SystemExit(f"--config {args.config!r}: {error}") from None
+
+
+def build_auto_report(args: argparse.Namespace) -> dict[str, Any]:
+    """The ``--auto`` report as data: the model and settings, then :meth:`AutoPlan.to_dict`."""
+    name, description = describe(args)
+    try:
+        chosen: AutoPlan = auto_plan(
+            description,
+            args.world_size,
+            args.granularity,
+            parse_bytes(args.memory_budget, "--memory-budget"),
+            block_rows=args.block_rows,
+            alignment=args.alignment,
+            algorithm=args.algorithm,
+            master_bytes=DTYPE_BYTES[args.master_dtype],
+            param_bytes=DTYPE_BYTES[args.param_dtype],
+            optimizer=args.optimizer,
+            padding_target=args.padding_target,
+            replicate_degree=args.replicate_degree,
+        )
+    except ValueError as error:
+        raise SystemExit(f"cannot auto-plan {name}: {error}") from None
+    settings = dict(
+        model=name, total_params=description.total_params, granularity=args.granularity, block_rows=args.block_rows,
+        algorithm=args.algorithm, alignment=args.alignment, master_dtype=args.master_dtype,
+        param_dtype=args.param_dtype, optimizer=args.optimizer,
+    )
+    return dict(settings, **chosen.to_dict())
 
 
 def build_report(args: argparse.Namespace) -> dict[str, Any]:
-    name, config = load_config(args.config)
-    try:
-        description = describe_model(config, name, args.experts)
-    except ValueError as error:  # a model_type or architecture transformers does not know
-        raise SystemExit(f"--config {args.config!r}: {error}") from None
-    if args.world_size % args.replicate_degree:
-        raise SystemExit(f"--replicate-degree {args.replicate_degree} must divide --world-size {args.world_size}")
-    shard_world = args.world_size // args.replicate_degree
+    name, description = describe(args)
+    replicate = args.replicate_degree or 1
+    if args.world_size % replicate:
+        raise SystemExit(f"--replicate-degree {replicate} must divide --world-size {args.world_size}")
+    shard_world = args.world_size // replicate
     master_bytes, param_bytes = DTYPE_BYTES[args.master_dtype], DTYPE_BYTES[args.param_dtype]
     try:
         groups = plan_model(
@@ -215,7 +261,7 @@ def build_report(args: argparse.Namespace) -> dict[str, Any]:
         model=name,
         total_params=description.total_params,
         world_size=args.world_size,
-        replicate_degree=args.replicate_degree,
+        replicate_degree=replicate,
         shard_world_size=shard_world,
         granularity=args.granularity,
         block_rows=args.block_rows,
@@ -294,11 +340,16 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--config", required=True, help=f"a config.json (or its folder) or a preset: {', '.join(PRESETS)}")
     p.add_argument("--world-size", type=int, required=True, help="data-parallel ranks in the job")
-    p.add_argument("--granularity", choices=GRANULARITIES, default="row", help="shard_granularity (default: row)")
+    p.add_argument("--granularity", choices=POLICIES, default="row", help="shard_granularity (default: row)")
     p.add_argument("--block-rows", type=int, default=128, help="rows per block for --granularity block")
-    p.add_argument("--replicate-degree", type=int, default=1, help="HSDP replicas; shards over world/replicas ranks")
+    p.add_argument(
+        "--replicate-degree",
+        type=int,
+        default=None,
+        help="HSDP replicas; shards over world/replicas ranks (default 1; with --auto: chosen)",
+    )
     p.add_argument("--algorithm", choices=("optimal", "greedy"), default="optimal")
-    p.add_argument("--alignment", type=int, default=1, help="segment size multiple, in elements (fully_shard default 1)")
+    p.add_argument("--alignment", type=int, default=1, help="segment size multiple, in elements (default 1; fully_shard aligns to 16 bytes: 4 fp32 or 8 bf16 elements)")
     p.add_argument(
         "--dbuffer-size",
         type=int,
@@ -316,15 +367,30 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--master-dtype", choices=tuple(DTYPE_BYTES), default="fp32")
     p.add_argument("--param-dtype", choices=tuple(DTYPE_BYTES), default="bf16", help="compute dtype (all-gathered)")
     p.add_argument("--optimizer", choices=tuple(OPTIMIZER_STATE_BYTES), default="adamw")
-    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--json", action="store_true", help="print the report (or the --auto report) as one JSON object")
+    p.add_argument(
+        "--auto",
+        action="store_true",
+        help="choose blocks per group, the replicate degree and dbuffer_size within --memory-budget",
+    )
+    p.add_argument("--memory-budget", metavar="BYTES", help="per-rank budget for --auto: bytes, or e.g. 80GB, 80GiB")
+    p.add_argument(
+        "--padding-target",
+        type=float,
+        default=DEFAULT_PADDING_TARGET,
+        help=f"--auto: padding ratio good enough to then minimise memory (default {DEFAULT_PADDING_TARGET})",
+    )
     p.add_argument("--plot", metavar="PNG", help="also draw padding vs world size (needs matplotlib)")
     return p
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parser().parse_args(argv)
-    if args.world_size < 1 or args.replicate_degree < 1:
-        raise SystemExit("--world-size and --replicate-degree must be positive")
+    check_args(args)
+    if args.auto:
+        report = build_auto_report(args)
+        print(json.dumps(report, indent=2) if args.json else render_auto(report))
+        return 0
     report = build_report(args)
     print(json.dumps(report, indent=2) if args.json else render_table(report))
     if args.plot:
@@ -332,6 +398,28 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         message = plot_padding(report, describe_model(config, name, args.experts), args.plot, args)
         print(message, file=sys.stderr)
     return 0
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Refuse bad or conflicting options before the model is built."""
+    if args.world_size < 1 or (args.replicate_degree is not None and args.replicate_degree < 1):
+        raise SystemExit("--world-size and --replicate-degree must be positive")
+    if not args.auto:
+        for flag, value in (("--memory-budget", args.memory_budget), ("--padding-target", args.padding_target)):
+            if value is not None and value != DEFAULT_PADDING_TARGET:
+                raise SystemExit(f"{flag} only applies with --auto; add --auto or drop {flag}")
+        return
+    if args.memory_budget is None:
+        raise SystemExit("--auto needs --memory-budget BYTES (the per-rank budget), e.g. --memory-budget 80GB")
+    for flag, value in (("--dbuffer-size", args.dbuffer_size), ("--plot", args.plot)):
+        if value is not None:
+            raise SystemExit(f"{flag} cannot be combined with --auto (it chooses dbuffer_size itself); drop {flag}")
+    try:
+        parse_bytes(args.memory_budget, "--memory-budget")
+    except ValueError as error:
+        raise SystemExit(str(error)) from None
+    if args.padding_target < 0:
+        raise SystemExit(f"--padding-target {args.padding_target} must be >= 0, e.g. 0.03 for 3%")
 
 
 if __name__ == "__main__":

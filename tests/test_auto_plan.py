@@ -1,0 +1,269 @@
+"""The auto-planner (``lightning_ragged.layout.auto``): within the budget, never worse than one block per group.
+
+Oracles: the plan report's own path (``cli.plan.plan_model``: the engine's DBuffer split and
+granularity, then ``memory_estimate``) for the three presets, and an exhaustive search over
+every replicate degree and grouping written here for random small models.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import lightning_ragged as lr
+from lightning_ragged.layout.auto import AutoPlan, GroupKind, auto_plan
+from lightning_ragged.layout.granularity import resolve_granularity
+from lightning_ragged.layout.memory import memory_estimate, parse_bytes
+
+BUDGET = 80 * 10**9
+WORLDS = (1024, 10_000)
+
+
+def expert_rows(rows_per_block: int):
+    """``rows_per_block`` rows whole; a row of a fused expert tensor [E, a, b] is b elements (one expert's row)."""
+
+    def granularity(name: str, param: torch.Tensor) -> int:
+        row = param.shape[-1] if param.dim() > 1 else 1
+        return math.gcd(rows_per_block, param.numel() // row) * row
+
+    return granularity
+
+
+POLICIES = {"row": "row", "1x rows": expert_rows(1), "16x rows": expert_rows(16)}
+
+
+@pytest.fixture(scope="module")
+def presets():
+    from lightning_ragged.cli.model_groups import PRESETS, describe_model
+
+    return {name: describe_model(config, name) for name, config in PRESETS.items()}
+
+
+def _cli_groups(description, shard_world, policy, dbuffer_size=None):
+    from lightning_ragged.cli.plan import plan_model
+
+    return plan_model(description, shard_world, policy, alignment=16, dbuffer_size=dbuffer_size)
+
+
+def _padding(groups, shard_world):
+    numel = sum(g["count"] * b["numel"] for g in groups for b in g["dbuffers"])
+    padded = sum(g["count"] * b["segment_size"] * shard_world for g in groups for b in g["dbuffers"])
+    return (padded - numel) / numel
+
+
+@pytest.mark.parametrize("policy", list(POLICIES))
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("preset", ["llama3-70b", "deepseek-v3", "gpt-oss-120b"])
+def test_presets_fit_the_budget_and_never_pad_more_than_one_block_per_group(presets, preset, world, policy):
+    from lightning_ragged.cli.model_groups import ModelDescription
+
+    description, granularity = presets[preset], POLICIES[policy]
+    baseline = _cli_groups(description, world, granularity)
+    baseline_memory = memory_estimate(baseline, world, 4, 2, "adamw")["total"]
+    try:
+        chosen = auto_plan(description, world, granularity, BUDGET, alignment=16)
+    except ValueError as error:
+        assert "memory_budget_bytes" in str(error)
+        # Not even one block per group fits at any replicate degree (the cheapest groups there are).
+        for replicate in (r for r in range(1, world + 1) if world % r == 0):
+            groups = _cli_groups(description, world // replicate, granularity)
+            assert memory_estimate(groups, world // replicate, 4, 2, "adamw")["total"] > BUDGET
+        return
+    assert chosen.memory["total"] <= BUDGET
+    if baseline_memory <= BUDGET:
+        assert chosen.padding_ratio <= _padding(baseline, world) + 1e-12
+    # The plan report, given the same choice, plans the same segments and estimates the same memory.
+    merged = ModelDescription(preset, chosen.group_kinds())
+    report = _cli_groups(merged, chosen.shard_world_size, granularity, chosen.dbuffer_size)
+    assert [tuple(b["segment_size"] for b in g["dbuffers"]) for g in report] == [g.segment_sizes for g in chosen.groups]
+    assert memory_estimate(report, chosen.shard_world_size, 4, 2, "adamw") == chosen.memory
+    assert _padding(report, chosen.shard_world_size) == pytest.approx(chosen.padding_ratio, abs=1e-12)
+    assert sum(g.count * g.blocks for g in chosen.groups if g.kind != "root") == sum(
+        k.count for k in description.groups if k.name != "root"
+    )
+
+
+def test_merged_groups_are_consecutive_blocks_in_module_order(presets):
+    chosen = auto_plan(presets["llama3-70b"], 10_000, expert_rows(16), BUDGET, alignment=16)
+    blocks = [name for members in chosen.block_groups() for name in members]
+    assert blocks == [f"model.layers.{i}" for i in range(80)]
+    assert all(len(members) > 1 for members in chosen.block_groups())
+    assert chosen.padding_ratio <= 0.03 < chosen.baseline["padding_ratio"]
+
+
+# ----------------------------------------------------------------------------------- random models
+def _specs(kind, policy, block_rows, copies):
+    """The runs of ``copies`` consecutive copies of ``kind`` (each copy has one run here, so runs stay apart)."""
+    def spec(copy, name, shape):
+        granularity = resolve_granularity(policy, name, torch.empty(shape, device="meta"), block_rows)
+        return lr.TensorSpec(f"{copy}.{name}", math.prod(shape), granularity)
+
+    if len(kind.runs) == 1:
+        return [[spec(c, n, s) for c in range(copies) for n, s in kind.runs[0]]]
+    assert copies == 1, "only the root has several runs, and it is never merged"
+    return [[spec(0, n, s) for n, s in run] for run in kind.runs]
+
+
+def _exhaustive(kinds, world, policy, block_rows, alignment, optimizer, target):
+    """Every replicate degree and every number of balanced groups per kind, planned exactly: (key, padded) each."""
+    total = sum(k.count * sum(math.prod(s) for _, s in k.shapes) for k in kinds)
+    results = []
+    for replicate in (r for r in range(1, world + 1) if world % r == 0):
+        shard = world // replicate
+        for counts in itertools.product(*[range(1, k.count + 1) if k.name != "root" else [1] for k in kinds]):
+            groups = []
+            for kind, m in zip(kinds, counts):
+                small, larger = divmod(kind.count, m)
+                for blocks, count in ((small + 1, larger), (small, m - larger)):
+                    if count:
+                        runs = _specs(kind, policy, block_rows, blocks)
+                        segments = [lr.plan(run, shard, alignment=alignment).segment_size for run in runs]
+                        groups.append(dict(count=count, dbuffers=[dict(segment_size=s) for s in segments]))
+            memory = memory_estimate(groups, shard, 4, 2, optimizer)["total"]
+            padded = sum(g["count"] * b["segment_size"] * shard for g in groups for b in g["dbuffers"])
+            padding = (padded - total) / total
+            key = (padding > target, padding if padding > target else 0.0, memory)
+            results.append((replicate, counts, key, padded, memory))
+    return results
+
+
+shape = st.one_of(st.tuples(st.integers(1, 24)), st.tuples(st.integers(1, 12), st.integers(1, 12)))
+block = st.lists(shape, min_size=1, max_size=3)
+
+
+@st.composite
+def models(draw):
+    kinds = [
+        GroupKind(f"stack{i}", draw(st.integers(1, 4)), [[(f"w{j}", s) for j, s in enumerate(draw(block))]])
+        for i in range(draw(st.integers(1, 2)))
+    ]
+    root_runs = [[(f"r{i}.{j}", s) for j, s in enumerate(draw(block))] for i in range(draw(st.integers(1, 2)))]
+    return kinds + [GroupKind("root", 1, root_runs)]
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    kinds=models(),
+    world=st.sampled_from([1, 2, 3, 4, 6, 8, 12]),
+    policy=st.sampled_from(["element", "row", "block", "matrix"]),
+    block_rows=st.integers(1, 4),
+    alignment=st.sampled_from([1, 2, 4]),
+    optimizer=st.sampled_from(["adamw", "none"]),
+    scale=st.floats(0.7, 4.0),
+    target=st.sampled_from([0.0, 0.03, 0.5]),
+)
+def test_random_models_match_an_exhaustive_search(kinds, world, policy, block_rows, alignment, optimizer, scale,
+                                                  target):
+    everything = _exhaustive(kinds, world, policy, block_rows, alignment, optimizer, target)
+    one_block = tuple(k.count for k in kinds)
+    baseline = next(r for r in everything if r[0] == 1 and r[1] == one_block)
+    budget = max(1, int(baseline[4] * scale))
+    fitting = [r for r in everything if r[4] <= budget]
+    if baseline[4] <= budget:
+        fitting = [r for r in fitting if r[3] <= baseline[3]]
+    kwargs = dict(block_rows=block_rows, alignment=alignment, optimizer=optimizer, padding_target=target)
+    if not fitting:
+        with pytest.raises(ValueError, match="memory_budget_bytes"):
+            auto_plan(kinds, world, policy, budget, **kwargs)
+        return
+    chosen = auto_plan(kinds, world, policy, budget, **kwargs)
+    assert chosen.memory["total"] <= budget
+    counts = tuple(sum(g.count for g in chosen.groups if g.kind == k.name) for k in kinds)
+    same = next(r for r in everything if r[:2] == (chosen.replicate_degree, counts))
+    assert same[4] == chosen.memory["total"]  # the same choice, planned here, costs the same
+    assert sum(g.count * (sum(g.segment_sizes) * g.shard_world) for g in chosen.groups) == same[3]
+    best = min(r[2] for r in fitting)
+    over = chosen.padding_ratio > target
+    assert (over, chosen.padding_ratio if over else 0.0, chosen.memory["total"]) == pytest.approx(best, rel=1e-12)
+    if baseline[4] <= budget:
+        assert chosen.baseline["fits"]
+        numel = sum(k.count * sum(math.prod(s) for _, s in k.shapes) for k in kinds)
+        assert chosen.padding_ratio <= (baseline[3] - numel) / numel + 1e-12
+
+
+def test_kinds_whose_copies_are_not_consecutive_stay_one_per_group():
+    interleaved = GroupKind("layers", 2, [[("w", (64, 8))]], members=["layers.0", "layers.2"])
+    other = GroupKind("layers odd", 2, [[("v", (8,))]], members=["layers.1", "layers.3"])
+    root = GroupKind("root", 1, [[("embed", (100, 8))]])
+    chosen = auto_plan([interleaved, other, root], 48, "row", 10**9, padding_target=0.0)
+    assert [g.blocks for g in chosen.groups] == [1, 1, 1]
+    assert "not consecutive" in chosen.groups[0].why
+
+
+# ----------------------------------------------------------------------------------- inputs and the CLI
+@pytest.mark.parametrize(
+    "value, expected", [("80GB", 80 * 10**9), ("80GiB", 80 * 2**30), ("1.5e3", 1500), (4096, 4096), ("512 mib", 2**29)]
+)
+def test_parse_bytes(value, expected):
+    assert parse_bytes(value) == expected
+
+
+@pytest.mark.parametrize("value", ["80XB", "", "-1GB", 0, True, "GB"])
+def test_parse_bytes_refuses_what_is_not_a_size(value):
+    with pytest.raises(ValueError, match="memory_budget_bytes="):
+        parse_bytes(value)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(world_size=0), "world_size=0"),
+        (dict(memory_budget_bytes=0), "memory_budget_bytes=0"),
+        (dict(replicate_degree=5), "replicate_degree=5 must be a positive int dividing world_size=8"),
+        (dict(padding_target=-0.1), "padding_target=-0.1"),
+        (dict(optimizer="lion"), "optimizer='lion'"),
+        (dict(granularity="diagonal"), "shard_granularity='diagonal'"),
+        (dict(groups=[]), "groups="),
+    ],
+)
+def test_auto_plan_refuses_bad_arguments(kwargs, match):
+    arguments = dict(groups=[GroupKind("root", 1, [[("w", (4, 4))]])], world_size=8, memory_budget_bytes=10**9)
+    arguments.update(kwargs)
+    with pytest.raises(ValueError, match=match):
+        auto_plan(**arguments)
+
+
+def test_plan_cli_auto_json_and_table(capsys):
+    from lightning_ragged.cli.plan import main
+
+    argv = ["--config", "gpt-oss-120b", "--world-size", "10000", "--auto", "--memory-budget", "80GB"]
+    assert main(argv + ["--json", "--alignment", "16"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["model"] == "gpt-oss-120b" and report["memory_budget_bytes"] == 80 * 10**9
+    assert report["memory"]["total"] <= 80 * 10**9
+    assert report["world_size"] == report["replicate_degree"] * report["shard_world_size"]
+    for group in report["groups"]:
+        assert {"blocks", "segment_sizes", "padding_ratio", "replicate_degree", "sharded_bytes_per_rank"} <= set(group)
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "| blocks per group |" in out and "Why:" in out and "dbuffer_size=" in out and "transient peak" in out
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--auto"], "--auto needs --memory-budget"),
+        (["--memory-budget", "80GB"], "--memory-budget only applies with --auto"),
+        (["--auto", "--memory-budget", "80XB"], "--memory-budget='80XB' is not a size"),
+        (["--auto", "--memory-budget", "80GB", "--dbuffer-size", "1000"], "--dbuffer-size cannot be combined"),
+        (["--auto", "--memory-budget", "1MB"], "too small for every choice"),
+    ],
+)
+def test_plan_cli_auto_refuses_bad_options(extra, message):
+    from lightning_ragged.cli.plan import main
+
+    with pytest.raises(SystemExit, match=message):
+        main(["--config", "gpt-oss-120b", "--world-size", "64"] + extra)
+
+
+def test_auto_plan_accepts_a_plain_list_and_reports_its_types():
+    kinds = [GroupKind("layers", 4, [[("w", (16, 4))]]), GroupKind("root", 1, [[("e", (10, 4))]])]
+    chosen = auto_plan(kinds, 16, "row", 10**9)
+    assert isinstance(chosen, AutoPlan) and chosen.dbuffer_size >= 4 * 16 * 4
+    json.dumps(chosen.to_dict())

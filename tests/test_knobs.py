@@ -59,6 +59,8 @@ BAD = [
     ("dbuffer_size", 0, ValueError, "256 * 2**20"),
     ("dbuffer_size", 2.5e8, TypeError, "dbuffer_size=250000000"),
     ("dbuffer_size", "256MB", TypeError, "dbuffer_size=256 * 2**20"),
+    ("dbuffer_size", "recomended", TypeError, "did you mean 'recommended'?"),
+    ("dbuffer_size", "auto", TypeError, "dbuffer_size='recommended' (the value the metrics callback wrote"),
     ("planning_algorithm", "optimial", ValueError, "did you mean 'optimal'?"),
     ("planning_algorithm", None, TypeError, "planning_algorithm='optimal'"),
     ("reshard_after_forward", "False", TypeError, "False (keep until backward)"),
@@ -110,6 +112,9 @@ BAD = [
     ("reduce_mode", "allreduce", ValueError, "did you mean 'all_reduce'?"),
     ("alignment", 0, ValueError, "alignment=16 or None"),
     ("alignment", 16.0, TypeError, "alignment=16 or None"),
+    ("max_inflight_all_gathers", -1, ValueError, "max_inflight_all_gathers=1"),
+    ("max_inflight_all_gathers", 1.0, TypeError, "max_inflight_all_gathers=1"),
+    ("keep_last_unsharded", "yes", TypeError, "keep_last_unsharded=True"),
     ("mp_policy", MixedPrecisionPolicy(), TypeError, "L.Trainer(precision='bf16-mixed')"),
     ("process_group", None, TypeError, "replicate_degree=..."),
     ("device", "cuda", TypeError, "L.Trainer(accelerator=..., devices=...)"),
@@ -133,7 +138,9 @@ def test_every_knob_has_a_check_and_kwargs_are_fully_shards() -> None:
     parameters = inspect.signature(RaggedFSDPStrategy.__init__).parameters.values()
     assert set(KNOB_CHECKS) == {p.name for p in parameters if p.kind is inspect.Parameter.KEYWORD_ONLY}
     engine = set(inspect.signature(fully_shard).parameters)
-    assert set(engine_kwarg_names()) == engine - set(SET_BY_STRATEGY) - set(KNOB_CHECKS) == {"reduce_mode", "alignment"}
+    assert set(engine_kwarg_names()) == engine - set(SET_BY_STRATEGY) - set(KNOB_CHECKS) == {
+        "reduce_mode", "alignment", "keep_last_unsharded", "max_inflight_all_gathers"
+    }
     assert set(SET_BY_STRATEGY) <= engine
 
 
@@ -151,6 +158,7 @@ GOOD = [
     {"shard_granularity": "block", "block_rows": 256},
     {"shard_granularity": lambda name, param: 256},
     {"dbuffer_size": 64 * 2**20},
+    {"dbuffer_size": "recommended"},
     {"planning_algorithm": "greedy"},
     {"reshard_after_forward": False},
     {"reshard_after_forward": 2},
@@ -172,6 +180,8 @@ GOOD = [
     {"timeout": None},
     {"reduce_mode": "reduce_scatter", "alignment": 16},
     {"reduce_mode": None, "alignment": None},
+    {"keep_last_unsharded": True, "max_inflight_all_gathers": 2},
+    {"shard_granularity": "muon"},
     {"sync_module_states": False, "broadcast_buffers": False},
     {"trust_checkpoint": True, "verify_checksums": False},
 ]
@@ -185,7 +195,7 @@ def test_defaults_and_documented_alternatives_construct(kwargs) -> None:
         pytest.skip("zstandard is not installed")
     strategy = _strategy(**kwargs)
     for knob, value in kwargs.items():
-        if knob in ("reduce_mode", "alignment"):
+        if knob in ("reduce_mode", "alignment", "keep_last_unsharded", "max_inflight_all_gathers"):
             assert strategy._engine_kwargs[knob] == value
         elif knob == "timeout":
             assert strategy._timeout == value

@@ -63,13 +63,15 @@ def check_engine_metrics(mixed_precision: bool) -> dict:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     metrics = EngineMetrics(model)
     data = make_batches(STEPS, BATCH)
+    state = lr.get_state(model)
     for step in range(STEPS):
         lm_loss(model, _local(data[step])).float().backward()
         optimizer.step()
+        grad_bytes_after_step = sum(b.sharded_grad.numel() * b.sharded_grad.element_size() for b in state.dbuffers())
         optimizer.zero_grad()
+        freed_by_zero_grad = all(b.sharded_grad is None for b in state.dbuffers())
         metrics.end_step()
     values = metrics.compute()
-    state = lr.get_state(model)
     cast = sum(dbuffer.layout.segment_size * 2 for dbuffer in state.dbuffers()) if mixed_precision else 0
     gathers_per_bucket = {id(b): (1 if g.is_root else 2) for g in state.all_groups for b in g.dbuffers}
     expected = expected_traffic(state)
@@ -82,7 +84,8 @@ def check_engine_metrics(mixed_precision: bool) -> dict:
     plain = dict(make_model().named_parameters())  # the root group holds what no block holds
     root_fraction = sum(p.numel() for n, p in plain.items() if not n.startswith("blocks.")) / sum(
         p.numel() for p in plain.values())
-    return dict(values=values, expected=expected, layouts=layouts, cast=cast, root_fraction=root_fraction)
+    return dict(values=values, expected=expected, layouts=layouts, cast=cast, root_fraction=root_fraction,
+                grad_bytes_after_step=grad_bytes_after_step, freed_by_zero_grad=freed_by_zero_grad)
 
 
 @pytest.mark.parametrize("mixed_precision", [False, True], ids=["fp32", "bf16"])
@@ -98,7 +101,10 @@ def test_engine_metrics_match_planned_buffers(dist_pool, mixed_precision):
         assert values["ragged_fsdp/comm_blocked_seconds"] > 0
         assert values["ragged_fsdp/dbuffer_unsharded_peak_bytes"] > 0
         assert values["ragged_fsdp/dbuffer_grad_peak_bytes"] > 0
-        assert values["ragged_fsdp/dbuffer_sharded_grad_bytes"] == values["ragged_fsdp/dbuffer_sharded_bytes"] > 0
+        # sharded gradients fill every segment after a step, and zero_grad(set_to_none=True) frees them
+        # (only the .grad views hold them), so the gauge, read after zero_grad, shows none
+        assert result["grad_bytes_after_step"] == values["ragged_fsdp/dbuffer_sharded_bytes"] > 0
+        assert result["freed_by_zero_grad"] and values["ragged_fsdp/dbuffer_sharded_grad_bytes"] == 0
         assert values["ragged_fsdp/process_peak_memory_bytes"] >= values["ragged_fsdp/process_memory_bytes"] > 2**20
         assert values["ragged_fsdp/padding_ratio"] >= 0
         assert values["ragged_fsdp/segment_size_max"] == max(s for _, s in result["layouts"])
@@ -107,6 +113,77 @@ def test_engine_metrics_match_planned_buffers(dist_pool, mixed_precision):
         assert root_keys and all(values[k] in [s for _, s in result["layouts"]] for k in root_keys)
         assert values["ragged_fsdp/groups/blocks.0/padding_ratio"] in [p for p, _ in result["layouts"]]
 
+
+
+class FakeDevice:
+    """Timing events on a fake device clock the test sets (milliseconds); ``done`` decides ``query()``."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.done = True
+        self.made = 0
+
+    def event(self) -> "FakeEvent":
+        self.made += 1
+        return FakeEvent(self)
+
+
+class FakeEvent:
+    def __init__(self, device: FakeDevice) -> None:
+        self.device, self.at = device, None
+
+    def record(self) -> None:
+        self.at = self.device.now
+
+    def query(self) -> bool:
+        return self.device.done
+
+    def elapsed_time(self, end: "FakeEvent") -> float:
+        assert self.query() and end.query(), "elapsed_time read before the events completed (would sync)"
+        return end.at - self.at
+
+
+def check_device_timing_from_events() -> dict:
+    from lightning_ragged.engine.events import EventKind, notify
+    from lightning_ragged.observability.metrics import EngineMetrics
+
+    device = FakeDevice()
+    model = lr.fully_shard(make_model())
+    metrics = EngineMetrics(model, event_factory=device.event)
+    a, b = list(lr.get_state(model).dbuffers())[:2]
+    # all-gather of a: issued at 0, compute until a reshard of b at 3, waited at 5 -> 5 ms in flight, 2 ms stalled
+    for at, dbuffer, kind, collective in (
+        (0.0, a, EventKind.UNSHARD_ISSUED, "all_gather"), (3.0, b, EventKind.RESHARDED, None),
+        (5.0, a, EventKind.UNSHARD_WAITED, "all_gather"),
+        # reduction of b: issued at 10, waited at 11 with nothing between -> 1 ms in flight, fully stalled
+        (10.0, b, EventKind.REDUCE_ISSUED, "all_reduce"), (11.0, b, EventKind.REDUCE_WAITED, "all_reduce"),
+    ):
+        device.now = at
+        notify(dbuffer, kind, collective, seconds=1.0)  # the CPU seconds must not be used on a "device"
+    metrics.end_step()
+    device.done = False  # not completed on the device yet: nothing read, nothing forced
+    early = metrics.compute()
+    device.done = True
+    late = metrics.compute()
+    for step in range(2):  # the real engine through the same path: every collective timed, nothing left pending
+        lm_loss(model, _local(make_batches(2, BATCH)[step])).backward()
+        metrics.end_step()
+    real = metrics.compute()
+    return dict(early=early, late=late, real=real, pending=metrics.probes[0].timer.pending, made=device.made)
+
+
+def test_device_timing_reads_event_pairs_lazily(dist_pool):
+    for result in dist_pool(2).run(check_device_timing_from_events):
+        early, late, real = result["early"], result["late"], result["real"]
+        for key in ("all_gather_seconds", "reduce_seconds", "comm_blocked_seconds", "comm_hidden_ratio"):
+            assert early[f"ragged_fsdp/{key}"] == 0.0, key
+        assert late["ragged_fsdp/all_gather_seconds"] == pytest.approx(0.005)
+        assert late["ragged_fsdp/reduce_seconds"] == pytest.approx(0.001)
+        assert late["ragged_fsdp/comm_blocked_seconds"] == pytest.approx(0.002 + 0.001)
+        assert late["ragged_fsdp/comm_hidden_ratio"] == pytest.approx(1 - 0.003 / 0.006)
+        assert result["pending"] == 0 and result["made"] > 5
+        assert real["ragged_fsdp/all_gathers"] > 0  # the fake clock stood still: device times are zero
+        assert real["ragged_fsdp/all_gather_seconds"] == real["ragged_fsdp/comm_blocked_seconds"] == 0.0
 
 # ----------------------------------------------------------------------------- diagnostics
 STALL_TIMEOUT_S = 2.0

@@ -5,6 +5,11 @@
 ``trainer.loggers`` every ``log_every_n_steps`` and, with ``monitor_port``, serves them
 (:class:`~lightning_ragged.observability.monitor.Monitor`). The values are this rank's;
 rank 0 logs its own (no collective on the logging step).
+
+With ``tuning`` it also logs ``ragged_fsdp/recommended_dbuffer_size`` (and
+``recommended_max_inflight_all_gathers``) from :func:`~lightning_ragged.observability.tuning.recommend`
+on rank 0's numbers, says so on rank 0 when it changes, and writes it to
+``<default_root_dir>/ragged_fsdp_tuning.json`` at fit end for ``dbuffer_size="recommended"``.
 """
 
 from __future__ import annotations
@@ -12,12 +17,22 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
+
+from lightning_ragged.engine.api import DEFAULT_DBUFFER_SIZE
 
 from lightning_ragged.observability.copy_counter import CopyCounter
 from lightning_ragged.observability.metrics import EngineMetrics
 from lightning_ragged.observability.monitor import Monitor
+from lightning_ragged.observability.tuning import (
+    Recommendation,
+    group_sizes,
+    memory_peak_and_limit,
+    recommend,
+    tuning_input,
+    write_recommendation,
+)
 
 
 def _rank_zero(trainer: Any) -> bool:
@@ -40,6 +55,9 @@ class RaggedFSDPMetrics(Callback):
         diagnostics: turn collective timeouts and OOMs at unshard into named errors.
         collective_timeout: seconds named in timeout errors; default: the strategy's ``timeout``.
         log_metrics: log through ``trainer.loggers`` (``False`` keeps only diagnostics and the endpoint).
+        tuning: recommend a ``dbuffer_size`` on every logging step and write it at fit end.
+        memory_budget_bytes: the per-rank memory limit the recommendation keeps headroom under
+            (default: the device's total; on CPU the physical memory over the local processes).
     """
 
     def __init__(
@@ -55,6 +73,8 @@ class RaggedFSDPMetrics(Callback):
         diagnostics: bool = True,
         collective_timeout: Optional[float] = None,
         log_metrics: bool = True,
+        tuning: bool = True,
+        memory_budget_bytes: Optional[int] = None,
     ) -> None:
         self.log_every_n_steps = log_every_n_steps
         self.per_group = per_group
@@ -66,6 +86,9 @@ class RaggedFSDPMetrics(Callback):
         self.diagnostics = diagnostics
         self.collective_timeout = collective_timeout
         self.log_metrics = log_metrics
+        self.tuning = tuning
+        self.memory_budget_bytes = memory_budget_bytes
+        self.recommendation: Optional[Recommendation] = None
         self.metrics: Optional[EngineMetrics] = None
         self.monitor: Optional[Monitor] = None
         self.last_logged: dict[str, float] = {}
@@ -138,6 +161,8 @@ class RaggedFSDPMetrics(Callback):
     def _publish(self, trainer: Any, step: int) -> None:
         assert self.metrics is not None
         values = self.metrics.compute(per_group=self.per_group)
+        if self.tuning:
+            values.update(self._recommend(trainer, values))
         self.last_logged = values
         if self.monitor is not None:
             self.monitor.update(values)
@@ -145,7 +170,36 @@ class RaggedFSDPMetrics(Callback):
             for logger in trainer.loggers:
                 logger.log_metrics(values, step=step)
 
+    def _recommend(self, trainer: Any, values: dict[str, float]) -> dict[str, float]:
+        assert self.metrics is not None
+        strategy = trainer.strategy
+        size = getattr(strategy, "applied_dbuffer_size", None) or getattr(strategy, "dbuffer_size", None)
+        size = size if isinstance(size, int) else DEFAULT_DBUFFER_SIZE
+        memory = memory_peak_and_limit(
+            self.metrics.device, self.memory_budget_bytes, getattr(strategy, "num_processes", 1) or 1
+        )
+        depth = min(p.state.max_inflight_all_gathers for p in self.metrics.probes)
+        found = recommend(tuning_input(values, group_sizes(self.metrics), size, memory, depth))
+        last, self.recommendation = self.recommendation, found
+        if last is None or (last.dbuffer_size, last.max_inflight_all_gathers) != (
+            found.dbuffer_size, found.max_inflight_all_gathers
+        ):
+            rank_zero_info(
+                f"RaggedFSDPMetrics: recommend dbuffer_size={found.dbuffer_size}, "
+                f"max_inflight_all_gathers={found.max_inflight_all_gathers} ({found.action}): {found.reason}"
+            )
+        return {
+            "ragged_fsdp/recommended_dbuffer_size": float(found.dbuffer_size),
+            "ragged_fsdp/recommended_max_inflight_all_gathers": float(found.max_inflight_all_gathers),
+        }
+
     def on_fit_end(self, trainer: Any, pl_module: nn.Module) -> None:
+        if self.tuning and self.metrics is not None:
+            if self.recommendation is None and self.metrics.steps_total:
+                self._recommend(trainer, self.metrics.compute(per_group=False))
+            if self.recommendation is not None and _rank_zero(trainer):
+                path = write_recommendation(trainer.default_root_dir, self.recommendation, trainer.global_step)
+                rank_zero_info(f"RaggedFSDPMetrics: wrote the recommended dbuffer_size to {path}")
         self._stop()
 
     def on_exception(self, trainer: Any, pl_module: nn.Module, exception: BaseException) -> None:

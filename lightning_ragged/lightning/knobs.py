@@ -120,6 +120,15 @@ def _block_rows(value: Any) -> None:
 
 
 def _dbuffer_size(value: Any) -> None:
+    if value == "recommended" and isinstance(value, str):
+        return  # read from <default_root_dir>/ragged_fsdp_tuning.json at setup (observability/tuning.py)
+    if isinstance(value, str):
+        _refuse(
+            f"must be an int (bytes) or 'recommended', got the str {value!r}{_closest(value, ('recommended',))}",
+            "pass e.g. dbuffer_size=256 * 2**20 (256 MiB), or dbuffer_size='recommended' (the value the metrics "
+            "callback wrote to <default_root_dir>/ragged_fsdp_tuning.json)",
+            TypeError,
+        )
     if not _is_int(value):
         whole = isinstance(value, float) and math.isfinite(value) and value >= 1
         fix = f"pass an int, e.g. dbuffer_size={int(value)}" if whole else ""
@@ -301,7 +310,18 @@ def _alignment(value: Any) -> None:
                 ValueError if _is_int(value) else TypeError)
 
 
-ENGINE_KWARG_CHECKS: dict[str, Callable[[Any], None]] = {"reduce_mode": _reduce_mode, "alignment": _alignment}
+def _max_inflight_all_gathers(value: Any) -> None:
+    if not _is_int(value) or value < 0:
+        _refuse("must be an int >= 0 (0: no prefetch; 1: one all-gather ahead, as FSDP2)",
+                "pass e.g. max_inflight_all_gathers=1", ValueError if _is_int(value) else TypeError)
+
+
+ENGINE_KWARG_CHECKS: dict[str, Callable[[Any], None]] = {
+    "reduce_mode": _reduce_mode,
+    "alignment": _alignment,
+    "keep_last_unsharded": _flag("keep_last_unsharded"),
+    "max_inflight_all_gathers": _max_inflight_all_gathers,
+}
 """Value checks for ``**kwargs`` forwarded to ``fully_shard`` (others are only checked by name)."""
 
 

@@ -25,8 +25,10 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import os
 from contextlib import contextmanager
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Generator, Literal, Mapping, Optional, Sequence, Union
 
 import torch
@@ -48,7 +50,7 @@ from lightning.pytorch.strategies.launchers.subprocess_script import _Subprocess
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor, nn
 from torch.optim import Optimizer
@@ -64,6 +66,8 @@ from lightning_ragged.engine.meta_init import has_meta_tensors, materialize_meta
 from lightning_ragged.lightning.preemption import attach as attach_slurm_requeue
 from lightning_ragged.lightning.model_summary import use_global_parameter_counts
 from lightning_ragged.lightning.precision import to_ragged_precision
+from lightning_ragged.observability.flight_recorder import configure_flight_recorder
+from lightning_ragged.observability.tuning import TUNING_FILE, read_recommendation
 
 ModuleSpec = Union[type, str]
 """A module class, a dotted import path ``"pkg.mod.Class"``, or a bare class name matched in the model."""
@@ -73,10 +77,13 @@ class RaggedFSDPStrategy(ParallelStrategy):
 
     Args:
         shard_granularity: where a parameter may be cut: ``"element"``, ``"row"`` (default),
-            ``"block"`` (``block_rows`` rows), ``"matrix"`` (never split), or a callable
-            ``(name, param) -> elements``.
+            ``"block"`` (``block_rows`` rows), ``"matrix"`` (never split), ``"muon"`` (hidden
+            matrices whole for Muon, rows for the rest), or a callable ``(name, param) -> elements``.
         block_rows: rows per block for ``shard_granularity="block"``.
         dbuffer_size: the largest flat buffer (bytes) of one group; bigger groups are split.
+            ``"recommended"``: the value the metrics callback wrote to
+            ``<default_root_dir>/ragged_fsdp_tuning.json`` at the last fit's end (read at setup;
+            256 MiB with a warning when there is none). See docs/operations.md.
         planning_algorithm: the layout planner (``"optimal"`` by default; see ``layout/planner.py``).
         reshard_after_forward: free each group's full parameters after its forward (ZeRO-3)
             or keep them until backward (ZeRO-2-like, more memory, one all-gather less).
@@ -131,7 +138,7 @@ class RaggedFSDPStrategy(ParallelStrategy):
         *,
         shard_granularity: GranularityPolicy = "row",
         block_rows: int = 128,
-        dbuffer_size: int = DEFAULT_DBUFFER_SIZE,
+        dbuffer_size: Union[int, Literal["recommended"]] = DEFAULT_DBUFFER_SIZE,
         planning_algorithm: str = "optimal",
         reshard_after_forward: Union[bool, int] = True,
         group_modules: Optional[Sequence[ModuleSpec]] = None,
@@ -179,6 +186,8 @@ class RaggedFSDPStrategy(ParallelStrategy):
         self.shard_granularity = shard_granularity
         self.block_rows = block_rows
         self.dbuffer_size = dbuffer_size
+        self.applied_dbuffer_size: Optional[int] = dbuffer_size if isinstance(dbuffer_size, int) else None
+        """The bytes ``fully_shard`` gets (``"recommended"`` is resolved in ``setup``)."""
         self.planning_algorithm = planning_algorithm
         self.reshard_after_forward = reshard_after_forward
         self.group_modules = list(group_modules) if group_modules is not None else None
@@ -290,8 +299,14 @@ class RaggedFSDPStrategy(ParallelStrategy):
         )
         kwargs: dict[str, Any] = {"timeout": self._timeout}
         kwargs["device_id"] = self.root_device if self.root_device.type != "cpu" else None
+        configure_flight_recorder(self._process_group_backend, self._flight_recorder_dir())
         _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
         self._build_process_groups()
+
+    def _flight_recorder_dir(self) -> Path:
+        """Where NCCL's flight recorder dumps on a timeout: ``<default_root_dir>/flight_recorder`` (docs/operations.md)."""
+        trainer = getattr(self._lightning_module, "_trainer", None)
+        return Path(trainer.default_root_dir if trainer is not None else os.getcwd()) / "flight_recorder"
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
@@ -345,6 +360,8 @@ class RaggedFSDPStrategy(ParallelStrategy):
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
         if getattr(self.model, "_ragged_fsdp_state", None) is None:
+            if self.dbuffer_size == "recommended":
+                self.applied_dbuffer_size = self._recommended_dbuffer_size(trainer)
             self.model = self._shard(self.model)
         else:  # a second fit/validate/test with the same module: rebind to this run's groups
             self._rebind_process_groups(self.model)
@@ -375,7 +392,7 @@ class RaggedFSDPStrategy(ParallelStrategy):
             replicate_group=self._replicate_group,
             shard_granularity=self.shard_granularity,
             block_rows=self.block_rows,
-            dbuffer_size=self.dbuffer_size,
+            dbuffer_size=self.applied_dbuffer_size,
             planning_algorithm=self.planning_algorithm,
             reshard_after_forward=self.reshard_after_forward,
             mp_policy=self.precision_plugin.mp_policy(),
@@ -388,6 +405,27 @@ class RaggedFSDPStrategy(ParallelStrategy):
         if on_meta:
             materialize_meta_module(model, self.root_device)
         return model
+
+    def _recommended_dbuffer_size(self, trainer: "pl.Trainer") -> int:
+        """Rank 0 reads the tuning file and every rank takes its value (the same layout on every rank)."""
+        directory = trainer.default_root_dir
+        found: Any = None
+        if self.global_rank == 0:
+            try:
+                found = read_recommendation(directory)
+            except ValueError as error:
+                found = str(error)
+        found = self.broadcast(found)
+        if isinstance(found, str):
+            raise ValueError(found)
+        if found is None:
+            rank_zero_warn(
+                f"dbuffer_size='recommended': no {Path(directory) / TUNING_FILE} yet (a fit with the metrics callback "
+                f"writes it at its end); using the default {DEFAULT_DBUFFER_SIZE} bytes (256 MiB)"
+            )
+            return DEFAULT_DBUFFER_SIZE
+        rank_zero_info(f"dbuffer_size='recommended': {found.dbuffer_size} bytes from {directory} ({found.reason})")
+        return found.dbuffer_size
 
     def _rebind_process_groups(self, model: nn.Module) -> None:
         for dbuffer in get_state(model).dbuffers():

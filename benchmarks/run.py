@@ -31,15 +31,20 @@ from report import HEADER, write_section  # noqa: E402
 
 PARTS = [
     ("engine", "benchmarks/engine_bench.py", "fully_shard vs FSDP2 vs DDP: step time, copies, memory"),
+    ("memory", "benchmarks/memory_bench.py", "peak live tensor bytes and step time vs FSDP2 and DDP: W=2/4, fp32/bf16"),
     ("lora", "benchmarks/lora_bench.py", "LoRA fine-tuning (frozen base): fully_shard vs FSDP2 vs DDP"),
     ("trainer", "benchmarks/trainer_bench.py", "the Lightning Trainer path: ragged_fsdp vs ModelParallel vs DDP"),
     ("optimizers", "benchmarks/optim_bench.py", "matrix optimizers on ragged shards vs their oracles"),
     ("checkpoints", "benchmarks/checkpoint_bench.py", "sharded DCP save/load vs full checkpoints"),
     ("planner", "benchmarks/planner_table.py", "planner at production scale (10,000 ranks)"),
+    ("scale", "benchmarks/scale_table.py", "planner at scale: one block per group vs the auto-planner"),
+    ("scale_sim", "benchmarks/scale_sim.py", "fully_shard itself at 1,024 and 10,000 ranks on the fake process group"),
     ("observability", "benchmarks/observability_bench.py", "metrics overhead on step time"),
     ("gpu", "benchmarks/gpu.py", "the engine comparison on CUDA/NCCL (skipped without a GPU)"),
 ]
 PLOT_DIR = BENCH / "plots"
+NO_DEVICE = 2
+"""Exit status of a part that needs an accelerator this machine lacks (benchmarks/gpu.py)."""
 PLOT_PRESETS = ("llama3-70b", "deepseek-v3", "gpt-oss-120b")
 
 
@@ -131,6 +136,8 @@ def run_part(script: str, timeout: int, env: dict[str, str]) -> tuple[str, float
     except subprocess.TimeoutExpired:
         return "timed out", time.perf_counter() - started, f"killed after {timeout} s"
     seconds = time.perf_counter() - started
+    if done.returncode == NO_DEVICE:
+        return "skipped", seconds, "no CUDA device on this machine (benchmarks/gpu.py exits 2)"
     if done.returncode != 0:
         tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["(no output)"]
         return "failed", seconds, f"exit {done.returncode}: `{tail[0][:200]}`"

@@ -108,13 +108,16 @@ BAD = [
     ("shard_granulrity", "row", TypeError, "did you mean shard_granularity='row'?"),
     ("reduce_mod", "all_reduce", TypeError, "did you mean reduce_mode='all_reduce'?"),
     ("precision", "bf16-mixed", TypeError, "L.Trainer(precision='bf16-mixed')"),
-    ("frobnicate", 1, TypeError, "fully_shard, which takes reduce_mode, alignment"),
+    ("frobnicate", 1, TypeError, "go to lightning_ragged.fully_shard, which takes"),
     ("reduce_mode", "allreduce", ValueError, "did you mean 'all_reduce'?"),
     ("alignment", 0, ValueError, "alignment=16 or None"),
     ("alignment", 16.0, TypeError, "alignment=16 or None"),
     ("max_inflight_all_gathers", -1, ValueError, "max_inflight_all_gathers=1"),
     ("max_inflight_all_gathers", 1.0, TypeError, "max_inflight_all_gathers=1"),
     ("keep_last_unsharded", "yes", TypeError, "keep_last_unsharded=True"),
+    ("blocks_per_group", 0, ValueError, "blocks_per_group=2"),
+    ("planning", "optimal", ValueError, "use one of ('auto',)"),
+    ("memory_budget_bytes", "80GB", TypeError, "memory_budget_bytes=80 * 10**9"),
     ("mp_policy", MixedPrecisionPolicy(), TypeError, "L.Trainer(precision='bf16-mixed')"),
     ("process_group", None, TypeError, "replicate_degree=..."),
     ("device", "cuda", TypeError, "L.Trainer(accelerator=..., devices=...)"),
@@ -139,7 +142,8 @@ def test_every_knob_has_a_check_and_kwargs_are_fully_shards() -> None:
     assert set(KNOB_CHECKS) == {p.name for p in parameters if p.kind is inspect.Parameter.KEYWORD_ONLY}
     engine = set(inspect.signature(fully_shard).parameters)
     assert set(engine_kwarg_names()) == engine - set(SET_BY_STRATEGY) - set(KNOB_CHECKS) == {
-        "reduce_mode", "alignment", "keep_last_unsharded", "max_inflight_all_gathers"
+        "reduce_mode", "alignment", "keep_last_unsharded", "max_inflight_all_gathers",
+        "blocks_per_group", "planning", "memory_budget_bytes",
     }
     assert set(SET_BY_STRATEGY) <= engine
 
@@ -181,6 +185,8 @@ GOOD = [
     {"reduce_mode": "reduce_scatter", "alignment": 16},
     {"reduce_mode": None, "alignment": None},
     {"keep_last_unsharded": True, "max_inflight_all_gathers": 2},
+    {"blocks_per_group": 2},
+    {"planning": "auto", "memory_budget_bytes": 80 * 10**9},
     {"shard_granularity": "muon"},
     {"sync_module_states": False, "broadcast_buffers": False},
     {"trust_checkpoint": True, "verify_checksums": False},
@@ -195,7 +201,8 @@ def test_defaults_and_documented_alternatives_construct(kwargs) -> None:
         pytest.skip("zstandard is not installed")
     strategy = _strategy(**kwargs)
     for knob, value in kwargs.items():
-        if knob in ("reduce_mode", "alignment", "keep_last_unsharded", "max_inflight_all_gathers"):
+        if knob in ("reduce_mode", "alignment", "keep_last_unsharded", "max_inflight_all_gathers", "blocks_per_group",
+                    "planning", "memory_budget_bytes"):
             assert strategy._engine_kwargs[knob] == value
         elif knob == "timeout":
             assert strategy._timeout == value

@@ -4,7 +4,8 @@ The model is built on the meta device by ``transformers`` (no weights, nothing
 downloaded) and grouped by :func:`lightning_ragged.engine.grouping.plan_groups`, the
 grouping ``fully_shard`` uses, so the plan report sees the engine's groups, runs (one
 DBuffer each) and tensors in module order. Identical groups are described once, with
-their count. Presets are the public ``config.json`` fields that shape the parameters of
+their count (:func:`lightning_ragged.engine.auto_grouping.describe_groups`, which
+``fully_shard(planning="auto")`` uses too). Presets are the public ``config.json`` fields that shape the parameters of
 a few models, stored as data in ``presets.json``.
 """
 
@@ -20,6 +21,7 @@ import torch
 from torch import nn
 
 from lightning_ragged.engine.api import DEFAULT_DBUFFER_SIZE
+from lightning_ragged.engine.auto_grouping import describe_groups
 from lightning_ragged.engine.grouping import plan_groups
 from lightning_ragged.layout.auto import GroupKind, Shapes  # the auto-planner's input types, defined there
 
@@ -83,21 +85,8 @@ def describe_model(config: dict[str, Any], name: str = "model", experts: Optiona
     store them (see :func:`one_tensor_per_expert`); the default is the model's fused modules.
     """
     model = build_meta_model(config)
-    kinds: dict[tuple, GroupKind] = {}
-    members: dict[tuple, list[str]] = {}
-    for group in plan_groups(model, None, DEFAULT_DBUFFER_SIZE):
-        prefix = "" if group.module is None else f"{group.name}."
-        runs = [[(param_name.removeprefix(prefix), param) for param_name, param in run] for run in group.runs]
-        signature = tuple(tuple((n, tuple(p.shape), p.dtype) for n, p in run) for run in runs)
-        key = (_stack_of(group.name), signature)
-        if key not in kinds:
-            if experts == "separate":
-                runs = [one_tensor_per_expert(model, prefix, run) for run in runs]
-            kinds[key] = GroupKind(key[0], 0, [[(n, tuple(p.shape)) for n, p in run] for run in runs])
-            members[key] = []
-        kinds[key].count += 1
-        members[key].append(group.name)
-    return ModelDescription(name, [_label(kind, members[key], kinds, experts) for key, kind in kinds.items()])
+    split = (lambda prefix, run: one_tensor_per_expert(model, prefix, run)) if experts == "separate" else None
+    return ModelDescription(name, describe_groups(plan_groups(model, None, DEFAULT_DBUFFER_SIZE), split, experts))
 
 
 def one_tensor_per_expert(model: nn.Module, prefix: str, run: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
@@ -126,21 +115,3 @@ def one_tensor_per_expert(model: nn.Module, prefix: str, run: list[tuple[str, An
             index = int(_EXPERT.search(key).group(1))
             pending.setdefault(index, []).append((key.removeprefix(prefix), tensor))
     return result + [entry for index in sorted(pending) for entry in pending[index]]
-
-
-def _stack_of(group_name: str) -> str:
-    """"model.layers.7" -> "layers": the stack a block belongs to ("root" stays "root")."""
-    return re.sub(r"\.\d+$", "", group_name).rpartition(".")[2]
-
-
-def _label(kind: GroupKind, names: list[str], kinds: dict[tuple, GroupKind], experts: Optional[str]) -> GroupKind:
-    """Name a group kind by its stack, with its block indices where the stack has several kinds."""
-    label = kind.name
-    if sum(other.name == kind.name for other in kinds.values()) > 1:
-        ends = [name.rpartition(".")[2] for name in names]
-        first, last = ends[0], ends[-1]
-        contiguous = all(e.isdigit() for e in ends) and ends == [str(i) for i in range(int(first), int(last) + 1)]
-        label += f" {first}-{last}" if contiguous and len(ends) > 1 else f" {','.join(ends)}"
-    if any(".experts." in f".{name}" for name, _ in kind.shapes):
-        label += f" (MoE, experts {experts or 'fused'})"
-    return GroupKind(label, kind.count, kind.runs, list(names))

@@ -8,6 +8,9 @@ Two ways to call it, as with torch's FSDP2:
 * FSDP2's pattern: ``fully_shard(block)`` for each block, then ``fully_shard(model)``:
   each call makes one group (the last call adopts the earlier ones).
 
+A group may be several consecutive blocks (``blocks_per_group``, lists in ``group_modules``,
+or ``planning="auto"``, which asks ``layout/auto.py`` how many within a memory budget).
+
 The optimizer sees ``module.parameters()``: 1-D views into each rank's sharded segment,
 keyed by the original names, each carrying ``param.ragged_shard``. When groups unshard,
 reduce and reshard is ``runtime.py``'s business.
@@ -23,9 +26,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
+from lightning_ragged.engine.auto_grouping import auto_groups
 from lightning_ragged.engine.collectives import CommStats
 from lightning_ragged.engine.dbuffer import DBuffer
 from lightning_ragged.engine.fsdp_module import make_fsdp_module
+from lightning_ragged.layout.auto import AutoPlan
 from lightning_ragged.layout.granularity import GranularityPolicy, resolve_granularity
 from lightning_ragged.engine.grouping import GroupSpec, ParamGroupPlan, parameter_slots, plan_groups, split_into_dbuffers
 from lightning_ragged.layout.planner import plan
@@ -50,6 +55,9 @@ def fully_shard(
     reshard_after_forward: bool | int = True,
     mp_policy: MixedPrecisionPolicy | None = None,
     group_modules: Sequence[GroupSpec] | None = None,
+    blocks_per_group: int = 1,
+    planning: str | None = None,
+    memory_budget_bytes: int | None = None,
     replicate_group: dist.ProcessGroup | None = None,
     reduce_mode: str | None = None,
     alignment: int | None = None,
@@ -83,6 +91,14 @@ def fully_shard(
     buffer held through the loss. ``max_inflight_all_gathers`` (default 1, as FSDP2): how many
     groups, in the recorded order, are all-gathered ahead of the running one; each costs one
     more full buffer alive (explicit ``set_modules_to_*_prefetch`` lists are taken as given).
+    ``group_modules``: block classes, modules, or lists of consecutive sibling modules that each
+    form one group (all-gathered at the first one's forward, done with after the last one's;
+    it must run them in module order); ``blocks_per_group=k`` joins every stack's blocks k at a
+    time (the last group may be shorter). ``planning="auto"`` chooses the blocks per group and
+    ``dbuffer_size`` with ``layout.auto.auto_plan`` within ``memory_budget_bytes`` per rank, at the
+    replicate degree the caller's ``replicate_group`` gives (HSDP needs the caller's process
+    groups: search the degree with the planner CLI or the strategy); ``get_state(m).auto_plan``
+    keeps the plan.
     """
     existing = module.__dict__.get("_ragged_fsdp_state")
     if existing is not None:
@@ -107,11 +123,20 @@ def fully_shard(
             "1: one group ahead as FSDP2, more: more overlap for one more full buffer each)"
         )
     children = _child_states(module)
-    if children and group_modules is not None:
+    if children and (group_modules is not None or blocks_per_group != 1 or planning is not None):
         raise ValueError(
-            "group_modules cannot be combined with blocks sharded by earlier fully_shard calls: "
-            "either shard the blocks yourself (FSDP2 pattern) or let one call group them"
+            "group_modules, blocks_per_group and planning cannot be combined with blocks sharded by earlier "
+            "fully_shard calls: either shard the blocks yourself (FSDP2 pattern) or let one call group them"
         )
+    param_dtype = mp_policy.param_dtype if mp_policy is not None else None
+    reduce_dtype = mp_policy.reduce_dtype if mp_policy is not None else None
+    auto = None
+    if planning is not None or memory_budget_bytes is not None:
+        auto, group_modules = _auto_plan(
+            module, planning, memory_budget_bytes, group_modules, blocks_per_group, world_size, replicate_group,
+            shard_granularity, block_rows, alignment, planning_algorithm, param_dtype, dbuffer_size,
+        )
+        dbuffer_size = auto.dbuffer_size
     stats = CommStats()
     adopted: list[ShardGroup] = []
     paths = {id(m): name for name, m in module.named_modules()}
@@ -133,10 +158,8 @@ def fully_shard(
                 own.add(index, name, param)
         group_plans = [own]
     else:
-        group_plans = plan_groups(module, group_modules, dbuffer_size)
+        group_plans = plan_groups(module, group_modules, dbuffer_size, blocks_per_group)
 
-    param_dtype = mp_policy.param_dtype if mp_policy is not None else None
-    reduce_dtype = mp_policy.reduce_dtype if mp_policy is not None else None
     slots_by_param = parameter_slots(module)
     partial_group = _partial_group(process_group, reshard_after_forward)
 
@@ -171,7 +194,8 @@ def fully_shard(
                 slots += [(owner, attr, dbuffer, name) for _, owner, attr in slots_by_param[id(param)]]
         is_root = group_plan.module is None or group_plan.module is module
         group = ShardGroup(
-            group_plan.name, group_plan.module or module, dbuffers, slots, reshard_after_forward, is_root=is_root
+            group_plan.name, group_plan.module or module, dbuffers, slots, reshard_after_forward, is_root=is_root,
+            members=group_plan.members or None,
         )
         group.mp_policy = mp_policy
         new_groups.append(group)
@@ -182,6 +206,7 @@ def fully_shard(
     state = RaggedFSDPState(module, _in_module_order(module, adopted + new_groups), stats)
     state.buffer_sync = BufferSync(module, process_group, replicate_group) if broadcast_buffers else None
     state.keep_last_unsharded = keep_last_unsharded
+    state.auto_plan = auto
     state.max_inflight_all_gathers = max_inflight_all_gathers
     for group in new_groups:
         group.reshard()
@@ -192,6 +217,38 @@ def fully_shard(
     for submodule in module.modules():
         submodule.__dict__["_ragged_fsdp_state"] = state
     return module
+
+
+def _auto_plan(
+    module: nn.Module, planning: Any, budget: Any, group_modules: Sequence[GroupSpec] | None, blocks_per_group: int,
+    world_size: int, replicate_group: dist.ProcessGroup | None, granularity: GranularityPolicy, block_rows: int,
+    alignment: int | None, algorithm: str, param_dtype: torch.dtype | None, dbuffer_size: int,
+) -> tuple[AutoPlan, list[list[nn.Module]]]:
+    """``planning="auto"``: the auto-planner's plan and the groups it chose (see ``auto_grouping.py``)."""
+    if planning != "auto":
+        raise ValueError(
+            f"planning={planning!r} is unknown: pass planning='auto' with memory_budget_bytes to choose the "
+            "blocks per group automatically, or leave both None (memory_budget_bytes only applies to 'auto')"
+        )
+    if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
+        raise ValueError(
+            f"memory_budget_bytes={budget!r}: planning='auto' needs the per-rank memory budget in bytes, "
+            "e.g. memory_budget_bytes=80 * 10**9"
+        )
+    if blocks_per_group != 1 or any(isinstance(spec, (list, tuple)) for spec in group_modules or ()):
+        raise ValueError(
+            f"planning='auto' chooses the blocks per group itself: drop blocks_per_group={blocks_per_group!r} "
+            "and lists in group_modules (single modules or classes are fine)"
+        )
+    replicas = dist.get_world_size(replicate_group) if replicate_group is not None else 1
+    first = next(iter(module.parameters()), None)
+    unit = alignment or max(1, VIEW_ALIGNMENT_BYTES // _smallest_element(
+        first.dtype if first is not None else torch.float32, param_dtype))
+    return auto_groups(
+        module, group_modules, world_size=world_size * replicas, replicate_degree=replicas,
+        memory_budget_bytes=budget, granularity=granularity, block_rows=block_rows, alignment=unit,
+        algorithm=algorithm, param_dtype=param_dtype, dbuffer_size=dbuffer_size,
+    )
 
 
 def _check_reshard_after_forward(value: Any, world_size: int) -> bool | int:
@@ -303,11 +360,11 @@ def _install_hooks(state: RaggedFSDPState) -> None:
                 handles.append(owner.register_forward_hook(
                     eager(lambda _m, _a, output, g=group: state.hook_backward(g, output))
                 ))
-        else:
-            handles.append(group.module.register_forward_pre_hook(
+        else:  # a group of several blocks: gathered at its first block's forward, done after its last one's
+            handles.append(group.members[0].register_forward_pre_hook(
                 eager(lambda _m, args, kwargs, g=group: state.pre_forward(g, args, kwargs)), with_kwargs=True
             ))
-            handles.append(group.module.register_forward_hook(
+            handles.append(group.members[-1].register_forward_hook(
                 eager(lambda _m, _a, output, g=group: state.post_forward(g, output))
             ))
         for dbuffer, name, param in group.unsharded_params():

@@ -5,7 +5,9 @@ every stack is a group: the children of each ``nn.ModuleList``/``nn.Sequential``
 modules of modules (an encoder's and a decoder's layers, a vision tower beside an LM, a
 UNet's down and up blocks), and a block class repeated among siblings. Without any,
 modules are picked by size so that no group exceeds ``dbuffer_size``. Whatever is left
-(embeddings, final norm, head, tied weights) forms the root group.
+(embeddings, final norm, head, tied weights) forms the root group. A group may also be
+several consecutive sibling blocks (``blocks_per_group``, or a list in ``group_modules``):
+fewer, larger groups pad less at a large world (see ``layout/auto.py``).
 """
 
 from __future__ import annotations
@@ -19,7 +21,9 @@ from torch import nn
 
 from lightning_ragged.layout.errors import DBufferAlignmentError
 
-GroupSpec = Union[Type[nn.Module], nn.Module]
+GroupSpec = Union[Type[nn.Module], nn.Module, Sequence[nn.Module]]
+"""A block class, one module, or a list of consecutive sibling modules that form one group."""
+Members = list[tuple[str, nn.Module]]
 
 
 @dataclass
@@ -34,6 +38,9 @@ class ParamGroupPlan:
     name: str
     module: nn.Module | None
     runs: list[list[tuple[str, nn.Parameter]]] = field(default_factory=list)
+    members: list[nn.Module] = field(default_factory=list)
+    """The consecutive sibling modules of a group of several blocks (``module`` is the first)."""
+    prefixes: list[str] = field(default_factory=list)
     _last_index: int = field(default=-2, init=False, repr=False)
 
     def add(self, index: int, name: str, param: nn.Parameter) -> None:
@@ -59,16 +66,94 @@ def parameter_slots(root: nn.Module) -> dict[int, list[ParamSlot]]:
 
 
 def choose_group_modules(
-    root: nn.Module, group_modules: Sequence[GroupSpec] | None, dbuffer_size: int
-) -> list[tuple[str, nn.Module]]:
-    """Modules (other than ``root``) whose parameters each form one group, in module order."""
+    root: nn.Module, group_modules: Sequence[GroupSpec] | None, dbuffer_size: int, blocks_per_group: int = 1
+) -> list[Members]:
+    """The members (name, module) of every group but the root's, in module order.
+
+    ``blocks_per_group=k`` joins each run of consecutive sibling blocks k at a time (the
+    last group of a stack may be shorter).
+    """
+    _check_blocks_per_group(blocks_per_group)
     named = [(name, module) for name, module in root.named_modules() if module is not root]
-    if group_modules is not None:
-        classes = tuple(spec for spec in group_modules if isinstance(spec, type))
-        instances = {id(spec) for spec in group_modules if isinstance(spec, nn.Module)}
-        return [(name, m) for name, m in named if isinstance(m, classes) or id(m) in instances]
-    blocks = stack_blocks(root)
-    return blocks if blocks else _size_groups(root, dbuffer_size)
+    if group_modules is None:
+        blocks = stack_blocks(root)
+        chosen = [[entry] for entry in (blocks if blocks else _size_groups(root, dbuffer_size))]
+    else:
+        specs = list(group_modules)
+        lists = [spec for spec in specs if isinstance(spec, (list, tuple))]
+        if lists and blocks_per_group != 1:
+            raise ValueError(
+                f"blocks_per_group={blocks_per_group} cannot be combined with lists in group_modules: "
+                "either list the members of every group or give single modules and blocks_per_group"
+            )
+        classes = tuple(spec for spec in specs if isinstance(spec, type))
+        instances = {id(spec) for spec in specs if isinstance(spec, nn.Module)}
+        chosen = [[(n, m)] for n, m in named if isinstance(m, classes) or id(m) in instances]
+        names = {id(m): n for n, m in named}
+        chosen += [_consecutive_siblings(root, names, list(spec)) for spec in lists]
+        seen = Counter(id(m) for members in chosen for _, m in members)
+        twice = [n for n, m in named if seen[id(m)] > 1]
+        if twice:
+            raise ValueError(
+                f"group_modules puts {twice} in several groups: list each module in one group only"
+            )
+        position = {id(m): index for index, (_, m) in enumerate(named)}
+        chosen.sort(key=lambda members: position[id(members[0][1])])
+    return _join_siblings(root, chosen, blocks_per_group) if blocks_per_group > 1 else chosen
+
+
+def _siblings(root: nn.Module, name: str) -> list[str]:
+    """Names of the children with parameters of ``name``'s parent, in order."""
+    parent = name.rpartition(".")[0]
+    owner = root.get_submodule(parent)
+    return [f"{parent}.{child}" if parent else child for child, m in owner.named_children() if _has_params(m)]
+
+
+def _consecutive_siblings(root: nn.Module, names: dict[int, str], members: list) -> Members:
+    """Check one listed group: modules of ``root``, children of one parent, with no sibling between them."""
+    bad = [m for m in members if not isinstance(m, nn.Module) or id(m) not in names]
+    if not members or bad:
+        raise ValueError(
+            f"group_modules entry {members!r}: every member must be a submodule of {type(root).__name__} "
+            f"(not {bad!r}); list consecutive sibling blocks, e.g. [model.blocks[0], model.blocks[1]]"
+        )
+    entries = [(names[id(m)], m) for m in members]
+    siblings = _siblings(root, entries[0][0])
+    listed = [name for name, _ in entries]
+    if any(name not in siblings for name in listed):
+        raise ValueError(
+            f"group_modules entry {listed}: the members are not siblings (children of one module); "
+            "a group of several modules joins consecutive children of one stack, e.g. blocks 0 and 1"
+        )
+    start = siblings.index(listed[0])
+    if listed != siblings[start : start + len(listed)]:
+        raise ValueError(
+            f"group_modules entry {listed}: the members are not consecutive in module order (expected "
+            f"{siblings[start : start + len(listed)]}); list consecutive blocks in order, e.g. blocks 2 and 3"
+        )
+    return entries
+
+
+def _join_siblings(root: nn.Module, chosen: list[Members], k: int) -> list[Members]:
+    """Join single-module groups that are consecutive siblings, at most ``k`` per group."""
+    joined: list[Members] = []
+    for members in chosen:
+        last = joined[-1] if joined else None
+        if last is not None and len(members) == 1 and len(last) < k:
+            siblings = _siblings(root, last[-1][0])
+            after = siblings.index(last[-1][0]) + 1 if last[-1][0] in siblings else -1
+            if 0 < after < len(siblings) and siblings[after] == members[0][0]:
+                last.append(members[0])
+                continue
+        joined.append(list(members))
+    return joined
+
+
+def group_name(members: Members) -> str:
+    """``blocks.0`` for one module, ``blocks.0-3`` for blocks 0 to 3 of one stack."""
+    if len(members) == 1:
+        return members[0][0]
+    return f"{members[0][0]}-{members[-1][0].rpartition('.')[2]}"
 
 
 def stack_blocks(root: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -132,7 +217,7 @@ def _size_groups(root: nn.Module, dbuffer_size: int) -> list[tuple[str, nn.Modul
 
 
 def plan_groups(
-    root: nn.Module, group_modules: Sequence[GroupSpec] | None, dbuffer_size: int
+    root: nn.Module, group_modules: Sequence[GroupSpec] | None, dbuffer_size: int, blocks_per_group: int = 1
 ) -> list[ParamGroupPlan]:
     """Assign every parameter to exactly one group; the root group (last) keeps the rest.
 
@@ -140,17 +225,20 @@ def plan_groups(
     that contains all of its owners, so one all-gather serves every use of it.
     """
     _check_dbuffer_size(dbuffer_size)
-    groups = [ParamGroupPlan(name, module) for name, module in choose_group_modules(root, group_modules, dbuffer_size)]
+    groups = [
+        ParamGroupPlan(group_name(members), members[0][1], members=[m for _, m in members],
+                       prefixes=[n for n, _ in members])
+        for members in choose_group_modules(root, group_modules, dbuffer_size, blocks_per_group)
+    ]
     groups.append(ParamGroupPlan("root", None))
     slots = parameter_slots(root)
-    group_prefixes = [(plan.name, plan) for plan in groups[:-1]]
     for index, (param_name, param) in enumerate(root.named_parameters()):
         owners = [module_name for module_name, _, _ in slots[id(param)]]
-        target = groups[-1]
-        for prefix, plan in group_prefixes:
-            if all(owner == prefix or owner.startswith(prefix + ".") for owner in owners):
-                if target is groups[-1] or len(prefix) > len(target.name):
-                    target = plan
+        target, depth = groups[-1], -1
+        for plan in groups[:-1]:
+            for prefix in plan.prefixes:
+                if all(owner == prefix or owner.startswith(prefix + ".") for owner in owners) and len(prefix) > depth:
+                    target, depth = plan, len(prefix)
         target.add(index, param_name, param)
     return [plan for plan in groups if plan.runs or plan.module is None]
 
@@ -183,6 +271,14 @@ def _check_dbuffer_size(dbuffer_size: int) -> None:
     if not isinstance(dbuffer_size, int) or isinstance(dbuffer_size, bool) or dbuffer_size <= 0:
         raise DBufferAlignmentError(
             f"dbuffer_size={dbuffer_size!r} must be a positive number of bytes, e.g. 256 * 2**20 (256 MiB)"
+        )
+
+
+def _check_blocks_per_group(blocks_per_group: int) -> None:
+    if not isinstance(blocks_per_group, int) or isinstance(blocks_per_group, bool) or blocks_per_group < 1:
+        raise ValueError(
+            f"blocks_per_group={blocks_per_group!r} must be an int >= 1 (1: one block per group; k: k consecutive "
+            "blocks of a stack per group)"
         )
 
 

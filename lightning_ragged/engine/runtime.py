@@ -5,10 +5,11 @@ Per step (``reshard_after_forward=True``):
 root pre-forward   start the step: mirror ``requires_grad`` changes, recover from a step that
                    raised, begin recording the forward order, broadcast the buffers from rank 0
                    (``broadcast_buffers``, after a synchronized training forward, as DDP)
-group pre-forward  all-gather the group (or wait for its prefetch), prefetch the next group,
+group pre-forward  (a group of several blocks: its first block's) all-gather the group (or wait
+                   for its prefetch), prefetch the next group,
                    and put an autograd node on the module's inputs whose backward runs when
                    the module's whole backward is done (its *post-backward*)
-group post-forward free the full parameters (or keep 1/int of them; ``keep_last_unsharded``: keep
+group post-forward (its last block's) free the full parameters (or keep 1/int of them; ``keep_last_unsharded``: keep
                    the group the previous forward ran last, whose backward comes first); hook the outputs
 pre-backward       (first gradient reaching an output) all-gather again, prefetch the group that
                    ran before; a DBuffer's gradient buffer is allocated at its first gradient
@@ -59,6 +60,8 @@ class RaggedFSDPState:
         self._hooked: set[int] = set()
         self.handles: list[Any] = []
         """Hook handles, removed when a parent ``fully_shard`` call adopts these groups."""
+        self.auto_plan: Any = None
+        """``planning="auto"``: the ``layout.auto.AutoPlan`` that chose the groups, for reports."""
         self.buffer_sync: Any = None
         """``broadcast_buffers=True``: a ``state_sync.BufferSync`` run before root forwards (DDP's rule)."""
         self._buffers_need_sync = True

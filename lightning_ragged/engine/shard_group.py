@@ -19,7 +19,9 @@ from lightning_ragged.engine.dbuffer import DBuffer
 class ShardGroup:
     """One group: DBuffers plus every (module, attribute) slot that holds one of its parameters.
 
-    ``module`` runs the group (its forward unshards it). The root group of an automatic
+    ``module`` runs the group (its forward unshards it). A group of several consecutive
+    sibling blocks lists them in ``members`` (``module`` is the first): it unshards at the
+    first one's forward and is done with forward after the last one's. The root group of an automatic
     ``fully_shard`` has ``is_root`` set: it holds what no block holds (embeddings, head,
     tied weights) and is unsharded by any module that uses one of its parameters.
     """
@@ -32,9 +34,11 @@ class ShardGroup:
         slots: list[tuple[nn.Module, str, DBuffer, str]],
         reshard_after_forward: bool | int,
         is_root: bool = False,
+        members: list[nn.Module] | None = None,
     ) -> None:
         self.name = name
         self.module = module
+        self.members: list[nn.Module] = members or [module]
         self.dbuffers = dbuffers
         self.slots = slots
         self.is_root = is_root

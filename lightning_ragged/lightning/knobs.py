@@ -316,7 +316,27 @@ def _max_inflight_all_gathers(value: Any) -> None:
                 "pass e.g. max_inflight_all_gathers=1", ValueError if _is_int(value) else TypeError)
 
 
+def _blocks_per_group(value: Any) -> None:
+    if not _is_int(value) or value < 1:
+        _refuse("must be an int >= 1 (consecutive blocks joined into one group)", "pass e.g. blocks_per_group=2",
+                ValueError if _is_int(value) else TypeError)
+
+
+def _planning(value: Any) -> None:
+    if value is not None:
+        _choice("planning", value, ("auto",), "auto")
+
+
+def _memory_budget_bytes(value: Any) -> None:
+    if value is not None and (not _is_int(value) or value <= 0):
+        _refuse("must be a positive int of bytes per rank (used with planning='auto')",
+                "pass e.g. memory_budget_bytes=80 * 10**9", ValueError if _is_int(value) else TypeError)
+
+
 ENGINE_KWARG_CHECKS: dict[str, Callable[[Any], None]] = {
+    "blocks_per_group": _blocks_per_group,
+    "planning": _planning,
+    "memory_budget_bytes": _memory_budget_bytes,
     "reduce_mode": _reduce_mode,
     "alignment": _alignment,
     "keep_last_unsharded": _flag("keep_last_unsharded"),

@@ -1,0 +1,261 @@
+"""Groups of several consecutive blocks, and ``planning="auto"``, on 2 and 3 gloo ranks.
+
+The oracle is the same benchmark GPT trained on one process over the global batch; the
+auto-planner's choice is checked against ``auto_plan`` called on a description of the
+model written out here by hand.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+import lightning_ragged as lr
+from benchmarks.models import GPTConfig, lm_loss, make_batches, make_gpt
+from lightning_ragged.layout.auto import GroupKind, auto_plan
+
+CFG = GPTConfig(vocab=64, width=32, layers=5, heads=2, seq=16)
+STEPS = 4
+BATCH = 6
+BUDGET = 10**6
+LR = 1e-3
+
+
+class Checkpointed(nn.Module):
+    """A block whose activations are recomputed in backward (non-reentrant activation checkpointing)."""
+
+    def __init__(self, block: nn.Module) -> None:
+        super().__init__()
+        self.block = block
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return checkpoint(self.block, x, use_reentrant=False)
+
+
+def _model(checkpointed: bool = False) -> nn.Module:
+    model = make_gpt(CFG)
+    if checkpointed:
+        model.blocks = nn.ModuleList(Checkpointed(block) for block in model.blocks)
+    return model
+
+
+def _local(batch: torch.Tensor) -> torch.Tensor:
+    per = batch.shape[0] // dist.get_world_size()
+    return batch[dist.get_rank() * per : (dist.get_rank() + 1) * per]
+
+
+def check_training(kwargs: dict, lists: list[list[int]] | None = None, accumulate: bool = False,
+                   checkpointed: bool = False) -> dict:
+    """AdamW steps sharded vs one process; collectives per step, groups and their sizes."""
+    data = make_batches(STEPS, BATCH, CFG, used_vocab=32)
+    reference = _model(checkpointed)
+    reference_opt = torch.optim.AdamW(reference.parameters(), lr=LR)
+    model = _model(checkpointed)
+    if lists is not None:
+        kwargs = dict(kwargs, group_modules=[[model.blocks[i] for i in entry] for entry in lists])
+    lr.fully_shard(model, **kwargs)
+    state = lr.get_state(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    gathers, reduces = [], []
+    for step in range(STEPS):
+        before = (state.stats.all_gathers, state.stats.reduces)
+        local = _local(data[step])
+        if accumulate:
+            first, second = local.chunk(2)
+            with lr.no_sync(model):
+                (lm_loss(model, first) * len(first) / len(local)).backward()
+            assert state.stats.reduces == before[1], "no_sync micro-batch issued a reduction"
+            (lm_loss(model, second) * len(second) / len(local)).backward()
+        else:
+            lm_loss(model, local).backward()
+        gathers.append(state.stats.all_gathers - before[0])
+        reduces.append(state.stats.reduces - before[1])
+        opt.step()
+        opt.zero_grad()
+        lm_loss(reference, data[step]).backward()
+        reference_opt.step()
+        reference_opt.zero_grad()
+    full, expected = lr.full_state_dict(model), reference.state_dict()
+    block_groups = state.groups
+    return {
+        "max_diff": max((full[k] - expected[k]).abs().max().item() for k in expected),
+        "gathers": gathers,
+        "reduces": reduces,
+        "sizes": [len(g.members) for g in block_groups],
+        "block_dbuffers": sum(len(g.dbuffers) for g in block_groups),
+        "root_dbuffers": len(state.root_group.dbuffers),
+        "dbuffers": sum(len(g.dbuffers) for g in state.all_groups),
+        "names": [g.name for g in block_groups],
+    }
+
+
+VARIANTS = {
+    "k2": (dict(blocks_per_group=2), None, False, False),
+    "k3-keep-unsharded": (dict(blocks_per_group=3, reshard_after_forward=False), None, False, False),
+    "lists": (dict(), [[0, 1], [2], [3, 4]], False, False),
+    "k2-no-sync": (dict(blocks_per_group=2), None, True, False),
+    "k2-checkpointed": (dict(blocks_per_group=2), None, False, True),
+    "k4-matrix": (dict(blocks_per_group=4, shard_granularity="matrix"), None, False, False),
+}
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_block_groups_train_like_single_process(dist_pool, world_size, variant):
+    kwargs, lists, accumulate, checkpointed = VARIANTS[variant]
+    result = dist_pool(world_size).run(check_training, kwargs, lists, accumulate, checkpointed)[0]
+    assert result["max_diff"] <= 1e-5, result
+    k = kwargs.get("blocks_per_group")
+    expected = [len(entry) for entry in lists] if lists else [min(k, CFG.layers - i) for i in range(0, CFG.layers, k)]
+    assert result["sizes"] == expected and len(expected) == (len(lists) if lists else math.ceil(CFG.layers / k))
+    if variant == "lists":
+        assert result["names"] == ["blocks.0-1", "blocks.2", "blocks.3-4"]
+    # one reduction per DBuffer; all-gathers: twice per block DBuffer (once kept), once per root DBuffer
+    assert result["reduces"] == [result["dbuffers"]] * STEPS, result
+    per_block = 1 if kwargs.get("reshard_after_forward") is False else 2
+    expected_gathers = (per_block * result["block_dbuffers"] + result["root_dbuffers"]) * (2 if accumulate else 1)
+    assert result["gathers"] == [expected_gathers] * STEPS, result
+
+
+def _description() -> list[GroupKind]:
+    """The benchmark GPT's groups, written out by hand: 5 identical blocks, then the root's two runs."""
+    w, v = CFG.width, CFG.vocab
+    block = [("ln1.weight", (w,)), ("ln1.bias", (w,)), ("qkv.weight", (3 * w, w)), ("qkv.bias", (3 * w,)),
+             ("proj.weight", (w, w)), ("proj.bias", (w,)), ("ln2.weight", (w,)), ("ln2.bias", (w,)),
+             ("fc.weight", (4 * w, w)), ("fc.bias", (4 * w,)), ("out.weight", (w, 4 * w)), ("out.bias", (w,))]
+    root = [[("embed.weight", (v, w)), ("pos.weight", (CFG.seq, w))],
+            [("ln_f.weight", (w,)), ("ln_f.bias", (w,)), ("head.weight", (v, w))]]
+    members = [f"blocks.{i}" for i in range(CFG.layers)]
+    return [GroupKind("blocks", CFG.layers, [block], members), GroupKind("root", 1, root, ["root"])]
+
+
+def check_auto(granularity: str) -> dict:
+    data = make_batches(STEPS, BATCH, CFG, used_vocab=32)
+    model = lr.fully_shard(_model(), shard_granularity=granularity, planning="auto", memory_budget_bytes=BUDGET)
+    state = lr.get_state(model)
+    reference = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    reference_opt = torch.optim.AdamW(reference.parameters(), lr=LR)
+    for step in range(STEPS):
+        lm_loss(model, _local(data[step])).backward()
+        opt.step()
+        opt.zero_grad()
+        lm_loss(reference, data[step]).backward()
+        reference_opt.step()
+        reference_opt.zero_grad()
+    full, expected = lr.full_state_dict(model), reference.state_dict()
+    oracle = auto_plan(_description(), dist.get_world_size(), granularity, BUDGET, alignment=4, master_bytes=4,
+                       param_bytes=4, replicate_degree=1)
+    return {
+        "max_diff": max((full[k] - expected[k]).abs().max().item() for k in expected),
+        "members": _applied(model, state),
+        "planned": [list(m) for g in oracle.groups if g.kind != "root" for m in g.members],
+        "segments": [b.layout.segment_size for g in state.all_groups for b in g.dbuffers],
+        "planned_segments": [s for g in oracle.groups for _ in range(g.count) for s in g.segment_sizes],
+        "dbuffer_size": state.auto_plan.dbuffer_size,
+        "oracle_dbuffer_size": oracle.dbuffer_size,
+        "same_plan": state.auto_plan.to_dict()["groups"] == oracle.to_dict()["groups"],
+    }
+
+
+def _applied(model: nn.Module, state) -> list[list[str]]:
+    names = {id(m): n for n, m in model.named_modules()}
+    return [[names[id(m)] for m in g.members] for g in state.groups]
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_planning_auto_applies_the_plan(dist_pool, world_size):
+    result = dist_pool(world_size).run(check_auto, "matrix")[0]
+    assert result["max_diff"] <= 1e-5, result
+    assert result["members"] == result["planned"], result
+    assert any(len(m) > 1 for m in result["members"]), result  # the small budget and matrix shards merge blocks
+    assert sorted(result["segments"]) == sorted(result["planned_segments"]), result
+    assert result["dbuffer_size"] == result["oracle_dbuffer_size"] and result["same_plan"], result
+
+
+def check_bad_inputs() -> list[str]:
+    model = _model()
+    blocks = model.blocks
+    cases = [
+        dict(group_modules=[[blocks[0], blocks[2]]]),
+        dict(group_modules=[[blocks[0], model.ln_f]]),
+        dict(group_modules=[[blocks[0], nn.Linear(2, 2)]]),
+        dict(group_modules=[[blocks[1], blocks[0]]]),
+        dict(group_modules=[[blocks[0], blocks[1]]], blocks_per_group=2),
+        dict(group_modules=[[blocks[0], blocks[1]], blocks[1]]),
+        dict(blocks_per_group=0),
+        dict(blocks_per_group=True),
+        dict(planning="bogus", memory_budget_bytes=BUDGET),
+        dict(memory_budget_bytes=BUDGET),
+        dict(planning="auto"),
+        dict(planning="auto", memory_budget_bytes=BUDGET, blocks_per_group=2),
+    ]
+    messages = []
+    for kwargs in cases:
+        try:
+            lr.fully_shard(_model() if "group_modules" not in kwargs else model, **kwargs)
+        except ValueError as error:
+            messages.append(str(error))
+        else:
+            messages.append("accepted")
+    return messages
+
+
+def test_bad_inputs_get_named_errors(dist_pool):
+    messages = dist_pool(2).run(check_bad_inputs)[0]
+    assert "accepted" not in messages, messages
+    expected = ["not consecutive", "not siblings", "must be a submodule", "not consecutive", "blocks_per_group=2",
+                "in several groups",
+                "blocks_per_group=0", "blocks_per_group=True", "planning='bogus'", "planning=None",
+                "memory_budget_bytes=None", "blocks_per_group=2"]
+    for message, words in zip(messages, expected):
+        assert words in message, (words, message)
+
+
+def check_compiled_block_groups(cache_dir: str) -> dict:
+    """Blocks compiled one by one inside groups of two: no graph break, no recompile, same training as eager."""
+    import os
+
+    import torch._inductor.config
+    from torch._dynamo.utils import counters
+
+    previous_cache = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
+    torch._dynamo.reset()
+    counters.clear()
+    data = make_batches(STEPS, BATCH, CFG, used_vocab=32)
+    eager = lr.fully_shard(_model(), blocks_per_group=2)
+    compiled = lr.fully_shard(_model(), blocks_per_group=2)
+    for block in compiled.blocks:
+        block.compile()
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=LR) for m in (eager, compiled)]
+    try:
+        with torch._inductor.config.patch(compile_threads=1):
+            for step in range(STEPS):
+                with torch.compiler.set_stance("default" if step == 0 else "fail_on_recompile"):
+                    lm_loss(compiled, _local(data[step])).backward()
+                lm_loss(eager, _local(data[step])).backward()
+                for optimizer in optimizers:
+                    optimizer.step()
+                    optimizer.zero_grad()
+    finally:
+        torch._dynamo.reset()
+        if previous_cache is None:
+            os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
+        else:
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = previous_cache
+    full, expected = lr.full_state_dict(compiled), lr.full_state_dict(eager)
+    return {
+        "max_diff": max((full[k] - expected[k]).abs().max().item() for k in expected),
+        "graph_breaks": sum(counters["graph_break"].values()),
+    }
+
+
+def test_compiled_block_groups_match_eager(dist_pool, tmp_path):
+    result = dist_pool(2).run(check_compiled_block_groups, str(tmp_path))[0]
+    assert result["graph_breaks"] == 0 and result["max_diff"] <= 1e-5, result

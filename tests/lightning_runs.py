@@ -160,6 +160,17 @@ def main_mode(results: dict) -> None:
            ragged_callbacks=[counter_sync])
     results["accum_sync_reduces_per_backward"] = counter_sync.per_backward
 
+    # The auto-planner through the strategy: it picks blocks per group and the HSDP degree, the strategy
+    # builds those process groups and fully_shard applies those groups.
+    auto = RaggedFSDPStrategy(planning="auto", memory_budget_bytes=10**9, replicate_degree="auto")
+    trainer_auto, auto_model = parity(results, "auto", auto)
+    state = get_state(auto_model)
+    results["auto_replicate_degree"] = trainer_auto.strategy.auto_replicate_degree
+    results["auto_shard_world"] = next(iter(auto_model.parameters())).ragged_shard.world_size
+    results["auto_plan_replicate_degree"] = state.auto_plan.replicate_degree
+    results["auto_plan_block_groups"] = sum(len(g.members) for g in state.auto_plan.groups if g.kind != "root")
+    results["auto_block_groups"] = len(state.groups)
+
     # Activation checkpointing (composable: names unchanged) and a non-default granularity.
     parity(results, "ac", RaggedFSDPStrategy(activation_checkpointing=["Block"], shard_granularity="element"))
 

@@ -134,6 +134,11 @@ def test_bad_knob_is_refused_in_the_constructor(knob, value, error, fix) -> None
     assert fix in message
 
 
+def test_auto_replicate_degree_needs_the_auto_planner() -> None:
+    with pytest.raises(ValueError, match=r"replicate_degree='auto'.*planning='auto' and memory_budget_bytes"):
+        _strategy(replicate_degree="auto")
+
+
 def test_every_knob_has_a_check_and_kwargs_are_fully_shards() -> None:
     from lightning_ragged import RaggedFSDPStrategy, fully_shard
     from lightning_ragged.lightning.knobs import KNOB_CHECKS, SET_BY_STRATEGY, engine_kwarg_names
@@ -187,6 +192,7 @@ GOOD = [
     {"keep_last_unsharded": True, "max_inflight_all_gathers": 2},
     {"blocks_per_group": 2},
     {"planning": "auto", "memory_budget_bytes": 80 * 10**9},
+    {"planning": "auto", "memory_budget_bytes": 80 * 10**9, "replicate_degree": "auto"},
     {"shard_granularity": "muon"},
     {"sync_module_states": False, "broadcast_buffers": False},
     {"trust_checkpoint": True, "verify_checksums": False},

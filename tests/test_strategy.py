@@ -226,6 +226,16 @@ def test_accumulation_reduces_only_on_the_last_micro_batch(main_run: dict) -> No
     assert main_run["accum_sync_loss_diff"] <= FP32_TOL and main_run["accum_sync_param_diff"] <= FP32_TOL
 
 
+def test_auto_planning_through_the_strategy_matches_ddp(main_run: dict) -> None:
+    """replicate_degree='auto' + planning='auto': the HSDP degree the planner chose is the one the
+    process groups have (shard world x replicas = 2), fully_shard applied the same plan, and training equals DDP."""
+    degree = main_run["auto_replicate_degree"]
+    assert degree in (1, 2) and main_run["auto_plan_replicate_degree"] == degree
+    assert main_run["auto_shard_world"] * degree == 2
+    assert main_run["auto_block_groups"] == main_run["auto_plan_block_groups"] >= 1
+    assert main_run["auto_loss_diff"] <= FP32_TOL and main_run["auto_param_diff"] <= FP32_TOL
+
+
 def test_activation_checkpointing_matches_ddp(main_run: dict) -> None:
     assert main_run["ac_loss_diff"] <= FP32_TOL and main_run["ac_param_diff"] <= FP32_TOL
 

@@ -230,23 +230,41 @@ def _auto_plan(
             f"planning={planning!r} is unknown: pass planning='auto' with memory_budget_bytes to choose the "
             "blocks per group automatically, or leave both None (memory_budget_bytes only applies to 'auto')"
         )
-    if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
-        raise ValueError(
-            f"memory_budget_bytes={budget!r}: planning='auto' needs the per-rank memory budget in bytes, "
-            "e.g. memory_budget_bytes=80 * 10**9"
-        )
     if blocks_per_group != 1 or any(isinstance(spec, (list, tuple)) for spec in group_modules or ()):
         raise ValueError(
             f"planning='auto' chooses the blocks per group itself: drop blocks_per_group={blocks_per_group!r} "
             "and lists in group_modules (single modules or classes are fine)"
         )
     replicas = dist.get_world_size(replicate_group) if replicate_group is not None else 1
+    return auto_plan_for(
+        module, world_size * replicas, replicas, budget, granularity=granularity, block_rows=block_rows,
+        alignment=alignment, algorithm=algorithm, param_dtype=param_dtype, dbuffer_size=dbuffer_size,
+        group_modules=group_modules,
+    )
+
+
+def auto_plan_for(
+    module: nn.Module, world_size: int, replicate_degree: int | None, memory_budget_bytes: Any, *,
+    granularity: GranularityPolicy = "row", block_rows: int = 128, alignment: int | None = None,
+    algorithm: str = "optimal", param_dtype: torch.dtype | None = None, dbuffer_size: int = DEFAULT_DBUFFER_SIZE,
+    group_modules: Sequence[GroupSpec] | None = None,
+) -> tuple[AutoPlan, list[list[nn.Module]]]:
+    """The auto-planner on ``module`` as ``fully_shard`` would group it: the plan and its groups.
+
+    ``replicate_degree=None`` lets it choose the HSDP degree too (the strategy's
+    ``replicate_degree="auto"`` does, before it builds the process groups); an int fixes it.
+    """
+    if isinstance(memory_budget_bytes, bool) or not isinstance(memory_budget_bytes, int) or memory_budget_bytes < 1:
+        raise ValueError(
+            f"memory_budget_bytes={memory_budget_bytes!r}: planning='auto' needs the per-rank memory budget in "
+            "bytes, e.g. memory_budget_bytes=80 * 10**9"
+        )
     first = next(iter(module.parameters()), None)
     unit = alignment or max(1, VIEW_ALIGNMENT_BYTES // _smallest_element(
         first.dtype if first is not None else torch.float32, param_dtype))
     return auto_groups(
-        module, group_modules, world_size=world_size * replicas, replicate_degree=replicas,
-        memory_budget_bytes=budget, granularity=granularity, block_rows=block_rows, alignment=unit,
+        module, group_modules, world_size=world_size, replicate_degree=replicate_degree,
+        memory_budget_bytes=memory_budget_bytes, granularity=granularity, block_rows=block_rows, alignment=unit,
         algorithm=algorithm, param_dtype=param_dtype, dbuffer_size=dbuffer_size,
     )
 

@@ -56,7 +56,7 @@ def auto_groups(
     group_modules: Sequence[GroupSpec] | None,
     *,
     world_size: int,
-    replicate_degree: int,
+    replicate_degree: int | None,
     memory_budget_bytes: int,
     granularity: GranularityPolicy,
     block_rows: int,
@@ -67,8 +67,8 @@ def auto_groups(
 ) -> tuple[AutoPlan, list[list[nn.Module]]]:
     """Plan ``module``'s one-block groups with the auto-planner; return the plan and the groups it chose.
 
-    ``world_size`` counts every rank (shard ranks times ``replicate_degree``); the replicate
-    degree is fixed to the caller's (``fully_shard`` gets its process groups from the caller).
+    ``world_size`` counts every rank (shard ranks times ``replicate_degree``); ``fully_shard``
+    fixes the replicate degree to its caller's process groups, ``None`` lets the planner choose it.
     """
     plans = plan_groups(module, group_modules, dbuffer_size)
     master = next((p for p in module.parameters()), None)

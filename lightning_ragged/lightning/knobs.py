@@ -184,17 +184,19 @@ def _module_specs(name: str) -> Callable[[Any], None]:
 
 
 def _replicate_degree(value: Any) -> None:
-    fix = "pass e.g. replicate_degree=2 (2 replicas), 'node' (shard inside each node) or 1 (no HSDP)"
-    if value == "node" and isinstance(value, str):
+    fix = ("pass e.g. replicate_degree=2 (2 replicas), 'node' (shard inside each node), 'auto' (chosen with "
+           "planning='auto') or 1 (no HSDP)")
+    if value in ("node", "auto") and isinstance(value, str):
         return
     if isinstance(value, str):
         if value.strip().isdigit():
-            _refuse("must be a positive int or 'node', not a str", f"pass replicate_degree={int(value)}", TypeError)
-        _refuse(f"must be a positive int or 'node'{_closest(value, ('node',))}", fix)
+            _refuse("must be a positive int, 'node' or 'auto', not a str", f"pass replicate_degree={int(value)}",
+                    TypeError)
+        _refuse(f"must be a positive int, 'node' or 'auto'{_closest(value, ('node', 'auto'))}", fix)
     if not _is_int(value):
-        _refuse(f"must be a positive int or 'node', got {_type_name(value)}", fix, TypeError)
+        _refuse(f"must be a positive int, 'node' or 'auto', got {_type_name(value)}", fix, TypeError)
     if value < 1:
-        _refuse("must be a positive int or 'node'", fix)
+        _refuse("must be a positive int, 'node' or 'auto'", fix)
 
 
 STATE_DICT_TYPES = ("sharded", "full")
@@ -390,6 +392,11 @@ def check_strategy_knobs(
                 check(value)
             except _Refused as refused:
                 raise refused.error(_message(owner, name, value, refused)) from None
+    if knobs.get("replicate_degree") == "auto" and engine_kwargs.get("planning") != "auto":
+        raise ValueError(
+            f"{owner}(replicate_degree='auto'): the auto-planner chooses the HSDP degree; pass it "
+            "planning='auto' and memory_budget_bytes=... too (or a fixed replicate_degree)"
+        )
 
 
 def _unknown_argument(owner: str, name: str, value: Any, accepted: tuple[str, ...]) -> str:

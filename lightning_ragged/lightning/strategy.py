@@ -57,7 +57,7 @@ from torch.optim import Optimizer
 
 import lightning.pytorch as pl
 from lightning_ragged.checkpoint.dcp import release_meshes
-from lightning_ragged.engine.api import DEFAULT_DBUFFER_SIZE, fully_shard, get_state, no_sync
+from lightning_ragged.engine.api import DEFAULT_DBUFFER_SIZE, auto_plan_for, fully_shard, get_state, no_sync
 from lightning_ragged.layout.granularity import GranularityPolicy
 from lightning_ragged.lightning.callbacks import add_metrics_callback
 from lightning_ragged.lightning.checkpoint_io import LightningCheckpointIO
@@ -92,7 +92,9 @@ class RaggedFSDPStrategy(ParallelStrategy):
         activation_checkpointing: module classes (or names) to wrap with the composable
             activation checkpoint (parameter names do not change).
         replicate_degree: HSDP. ``r`` shards inside groups of ``world/r`` consecutive ranks
-            and replicates across the ``r`` groups; ``"node"`` shards inside one node.
+            and replicates across the ``r`` groups; ``"node"`` shards inside one node;
+            ``"auto"`` lets the auto-planner choose it (with ``planning="auto"`` and
+            ``memory_budget_bytes``; the choice is kept in ``auto_replicate_degree``).
             ``1`` (default) shards over all ranks.
         state_dict_type: ``"sharded"`` (default): a checkpoint directory in which every rank
             writes only its own shards (torch.distributed.checkpoint), loadable at any world
@@ -143,7 +145,7 @@ class RaggedFSDPStrategy(ParallelStrategy):
         reshard_after_forward: Union[bool, int] = True,
         group_modules: Optional[Sequence[ModuleSpec]] = None,
         activation_checkpointing: Optional[Sequence[ModuleSpec]] = None,
-        replicate_degree: Union[int, Literal["node"]] = 1,
+        replicate_degree: Union[int, Literal["node", "auto"]] = 1,
         state_dict_type: Literal["sharded", "full"] = "sharded",
         checkpoint_compression: bool = False,
         async_checkpoint: bool = False,
@@ -187,6 +189,8 @@ class RaggedFSDPStrategy(ParallelStrategy):
         self.block_rows = block_rows
         self.dbuffer_size = dbuffer_size
         self.applied_dbuffer_size: Optional[int] = dbuffer_size if isinstance(dbuffer_size, int) else None
+        self.auto_replicate_degree: Optional[int] = None
+        """The HSDP degree ``replicate_degree="auto"`` chose (set when the process groups are built)."""
         """The bytes ``fully_shard`` gets (``"recommended"`` is resolved in ``setup``)."""
         self.planning_algorithm = planning_algorithm
         self.reshard_after_forward = reshard_after_forward
@@ -315,6 +319,8 @@ class RaggedFSDPStrategy(ParallelStrategy):
         rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
 
     def _resolved_replicate_degree(self) -> int:
+        if self.replicate_degree == "auto":
+            return self._auto_replicate_degree()
         degree = self.num_nodes if self.replicate_degree == "node" else int(self.replicate_degree)
         if self.world_size % degree:
             raise ValueError(
@@ -322,6 +328,27 @@ class RaggedFSDPStrategy(ParallelStrategy):
                 f"{self.world_size} (num_nodes={self.num_nodes} x devices={self.num_processes})"
             )
         return degree
+
+    def _auto_replicate_degree(self) -> int:
+        """``replicate_degree="auto"``: the HSDP degree the auto-planner chooses for this model and world.
+
+        Every rank plans the same model with the same inputs (a pure function), so all agree
+        without a collective; ``fully_shard(planning="auto")`` then plans the groups again at
+        that degree and finds the same choice.
+        """
+        model = self.lightning_module
+        group_modules = _resolve_classes(model, self.group_modules, "group_modules") if self.group_modules else None
+        policy = self.precision_plugin.mp_policy()
+        chosen, _ = auto_plan_for(
+            model, self.world_size, None, self._engine_kwargs.get("memory_budget_bytes"),
+            granularity=self.shard_granularity, block_rows=self.block_rows,
+            alignment=self._engine_kwargs.get("alignment"), algorithm=self.planning_algorithm,
+            param_dtype=policy.param_dtype if policy is not None else None,
+            dbuffer_size=self.applied_dbuffer_size or DEFAULT_DBUFFER_SIZE,
+            group_modules=group_modules,
+        )
+        self.auto_replicate_degree = chosen.replicate_degree
+        return chosen.replicate_degree
 
     def _build_process_groups(self) -> None:
         """HSDP: shard groups of ``world/r`` consecutive ranks, replicate groups across them."""

@@ -231,3 +231,203 @@ def test_muon_policy_matches_torch_muon_without_collectives(dist_pool, world_siz
     # The AdamW side is cut at rows: the (tied) embedding, 481 of the root group's 585 elements, spans ranks.
     granularity, holders = layout["embed.weight"]
     assert granularity == 13 and holders > 1, layout["embed.weight"]
+
+
+# ---------------------------------------------- expert stacks [E, a, b] and per-head QKV (issue 14)
+QWEN_HEADS = {"q_proj": 4, "k_proj": 2, "v_proj": 2}  # head_dim 8: q [32, 32] is 4 heads, k and v [16, 32] 2
+MOE_CASES = {
+    # case: (shard_granularity, block_rows, which Muon params, qkv_heads, adjust_lr_fn, attention and
+    # experts as their own groups)
+    "row-experts": ("row", 128, "experts", None, None, False),  # a row of an expert stack is one expert
+    "muon-all": ("muon", 128, "all", QWEN_HEADS, "match_rms_adamw", False),  # 2-D whole, experts whole
+    "block-heads": ("block", 8, "attention", QWEN_HEADS, None, False),  # block_rows = head_dim: heads whole
+    "element-all": ("element", 128, "all", QWEN_HEADS, "match_rms_adamw", False),  # cuts inside experts
+    "element-groups": ("element", 128, "all", QWEN_HEADS, None, True),  # cuts inside k / v heads
+}
+
+
+def _split_kinds(named, qkv_heads):
+    """Which kinds of matrix ("expert", "head", "matrix") the shards cut, from the ranks' flat ranges."""
+    kinds = set()
+    for name, param in named:
+        shard = param.ragged_shard
+        count = len(_matrices(name, torch.empty(shard.global_shape, device="meta"), qkv_heads))
+        numel = shard.numel // count
+        cuts = [end for _, end in shard.rank_ranges if 0 < end < shard.numel]
+        if any(cut % numel for cut in cuts):
+            kinds.add("expert" if len(shard.global_shape) == 3 else "head" if count > 1 else "matrix")
+    return kinds
+
+
+def _matrices(name, full, qkv_heads):
+    """The matrices torch.optim.Muon gets as separate parameters: experts, heads, or the whole weight."""
+    if full.dim() == 3:
+        return list(full.unbind(0))
+    heads = next((n for fragment, n in (qkv_heads or {}).items() if fragment in name), 1)
+    return list(full.view(heads, -1, full.shape[1]).unbind(0))
+
+
+def moe_against_torch_muon_per_matrix(cases=tuple(MOE_CASES), steps=3):
+    """Per case, on a tiny Qwen3-MoE: max |sharded − torch.optim.Muon per expert/head|, counts, plan.
+
+    The oracle is single-process ``torch.optim.Muon`` with one separate parameter per expert
+    matrix / head (same hyperparameters, so momentum, nesterov, weight decay and ``adjust_lr``
+    act per matrix); both sides get identical random full gradients, so the optimizer alone is
+    compared.
+    """
+    from tests.hf_models import make_qwen3_moe
+
+    results = {}
+    for case in cases:
+        granularity, block_rows, which, qkv_heads, adjust_lr_fn, groups = MOE_CASES[case]
+        model = make_qwen3_moe(0)
+        group_modules = [m for n, m in model.named_modules() if n.endswith(("self_attn", "experts"))] if groups else None
+        model = fully_shard(model, shard_granularity=granularity, block_rows=block_rows, group_modules=group_modules)
+        reference = dict(make_qwen3_moe(0).named_parameters())
+        muon_named, _ = split_muon_params(model)
+        if which == "experts":
+            muon_named = [(n, p) for n, p in muon_named if "experts" in n]
+        elif which == "attention":
+            muon_named = [(n, p) for n, p in muon_named if any(f in n for f in QWEN_HEADS)]
+        names = [n for n, _ in muon_named]
+        ours = Muon(muon_named, **MUON, adjust_lr_fn=adjust_lr_fn, qkv_heads=qkv_heads)
+        slices = {n: [torch.nn.Parameter(m.detach().clone()) for m in _matrices(n, reference[n], qkv_heads)] for n in names}
+        theirs = torch.optim.Muon([p for n in names for p in slices[n]], **MUON, adjust_lr_fn=adjust_lr_fn)
+        sharded = dict(muon_named)
+        generator = torch.Generator().manual_seed(5)
+        counts = []
+        for _ in range(steps):
+            for name in names:
+                grad = torch.randn(reference[name].shape, generator=generator)
+                start, end = sharded[name].ragged_shard.local_range
+                sharded[name].grad = grad.view(-1)[start:end].clone()
+                for param, piece in zip(slices[name], _matrices(name, grad, qkv_heads)):
+                    param.grad = piece.clone()
+            with CommDebugMode() as comm:
+                ours.step()
+            counts.append(comm.get_total_counts())
+            theirs.step()
+        full = full_state_dict(model)
+        expected = {n: torch.stack([p.detach() for p in slices[n]]).view(reference[n].shape) for n in names}
+        results[case] = dict(
+            diff=max((full[n] - expected[n]).abs().max().item() for n in names),
+            moved=max((expected[n] - reference[n].detach()).abs().max().item() for n in names),
+            counts=counts,
+            owned=ours.last_plan.owned,
+            split=ours.last_plan.split,
+            split_kinds=_split_kinds(muon_named, qkv_heads),
+        )
+    return results
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_muon_per_expert_and_per_head_match_torch_muon(dist_pool, world_size):
+    per_rank = dist_pool(world_size).run(moe_against_torch_muon_per_matrix)
+    for case in MOE_CASES:
+        result = per_rank[0][case]
+        counts = [r[case]["counts"] for r in per_rank]
+        assert result["moved"] > 1e-2, (case, result)
+        assert result["diff"] <= 1e-5, (case, result)  # measured: 0.0 (same bf16 Newton–Schulz per matrix)
+        if case in ("row-experts", "muon-all", "block-heads"):  # every expert / head / matrix whole
+            assert result["split"] == 0, (case, result)
+            assert all(c == 0 for rank_counts in counts for c in rank_counts), (case, counts)
+        elif result["split"]:  # one all-to-all gathers every split expert / head, one scatters back
+            assert all(c == 2 for rank_counts in counts for c in rank_counts), (case, counts)
+    experts = 2 * 2 * 16  # 2 layers x (gate_up_proj, down_proj) x 16 experts
+    assert per_rank[0]["row-experts"]["owned"] == experts
+    # muon-all: the experts, 2 layers x (8 heads of q/k/v + o_proj + router gate)
+    assert per_rank[0]["muon-all"]["owned"] == experts + 2 * (8 + 2)
+    # the gather path really ran, per expert and per head
+    assert "expert" in per_rank[0]["element-all"]["split_kinds"], per_rank[0]["element-all"]
+    assert "head" in per_rank[0]["element-groups"]["split_kinds"], per_rank[0]["element-groups"]
+    assert per_rank[0]["element-groups"]["owned"] + per_rank[0]["element-groups"]["split"] == experts + 2 * (8 + 2)
+    assert per_rank[0]["block-heads"]["owned"] == 2 * 8
+
+
+def _sharded_param(shape, rank_ranges, rank):
+    """A stand-in for a sharded parameter: this rank's flat piece carrying its RaggedShard."""
+    from lightning_ragged.layout.ragged_shard import RaggedShard
+
+    start, end = rank_ranges[rank]
+    param = torch.nn.Parameter(torch.zeros(end - start))
+    param.ragged_shard = RaggedShard("experts", torch.Size(shape), 1, tuple(rank_ranges), rank)
+    return param
+
+
+def test_muon_load_balances_experts_as_units():
+    """[4, 8, 8] cut inside expert 1: experts 0 | 2, 3 whole, expert 1 goes to the lighter rank 0."""
+    from lightning_ragged.optim import ns_flops
+
+    param = _sharded_param((4, 8, 8), [(0, 100), (100, 256)], rank=0)
+    muon = Muon([("experts", param)])
+    jobs = muon._matrix_jobs(param, muon.param_groups[0], torch.zeros(100))
+    plan = muon._assign_roots(jobs)
+    assert [job.owner() for job in jobs] == [0, None, 1, 1]
+    assert [job.piece(0) for job in jobs] == [(0, 64), (0, 36), (0, 0), (0, 0)]
+    assert (plan.owned, plan.split, jobs[1].root) == (3, 1, 0)
+    assert plan.flops_per_rank[0] == [2 * ns_flops((8, 8)), 2 * ns_flops((8, 8))] and plan.balance() == 1.0
+
+
+def test_split_muon_params_sends_expert_stacks_to_muon():
+    from tests.hf_models import make_qwen3_moe
+
+    model = make_qwen3_moe(0)
+    model.conv = torch.nn.Conv1d(4, 4, 3)  # 3-D weight, but no expert stack
+    muon, other = split_muon_params(model)
+    muon_names = {name for name, _ in muon}
+    assert {f"model.layers.{i}.mlp.experts.{m}" for i in range(2) for m in ("gate_up_proj", "down_proj")} <= muon_names
+    assert "model.layers.0.self_attn.q_proj.weight" in muon_names
+    assert {"model.embed_tokens.weight", "lm_head.weight", "model.norm.weight", "conv.weight"} <= {n for n, _ in other}
+
+
+def test_muon_policy_keeps_experts_whole_and_cuts_between_them():
+    from lightning_ragged.layout.granularity import resolve_granularity
+
+    assert resolve_granularity("muon", "mlp.experts.down_proj", torch.empty(16, 32, 16)) == 32 * 16  # one expert
+    assert resolve_granularity("muon", "attn.qkv.weight", torch.empty(24, 8)) == 24 * 8  # a 2-D matrix whole
+
+
+def test_muon_refuses_bad_qkv_heads():
+    weight = torch.nn.Parameter(torch.zeros(39, 13))
+    with pytest.raises(ValueError, match="'blocks.0.qkv.weight'.*into 4 heads.*3 \\* num_heads"):
+        Muon([("blocks.0.qkv.weight", weight)], qkv_heads={"qkv": 4})
+    with pytest.raises(ValueError, match="'blocks.0.qkv.weight'.*head count 0"):
+        Muon([("blocks.0.qkv.weight", weight)], qkv_heads=lambda name, shape: 0)
+    with pytest.raises(ValueError, match="'experts'.*global shape \\(2, 3, 4\\)"):
+        Muon([("experts", torch.nn.Parameter(torch.zeros(2, 3, 4)))], qkv_heads={"experts": 2})
+    with pytest.raises(ValueError, match="qkv_heads=3 is not supported"):
+        Muon([("blocks.0.qkv.weight", weight)], qkv_heads=3)
+    Muon([("blocks.0.qkv.weight", weight)], qkv_heads={"qkv": 3})  # 3 heads of 13 rows: fine
+
+
+def test_muon_per_head_in_one_process_matches_torch_muon_per_head():
+    """Plain (unsharded) fused QKV [3*H*d, in] with H=2, d=4, and a plain expert stack."""
+    torch.manual_seed(0)
+    qkv, experts = torch.nn.Parameter(torch.randn(24, 8)), torch.nn.Parameter(torch.randn(3, 5, 7))
+    heads = [torch.nn.Parameter(h.detach().clone()) for h in qkv.view(6, 4, 8)]
+    stack = [torch.nn.Parameter(e.detach().clone()) for e in experts]
+    ours = Muon([("attn.qkv.weight", qkv), ("mlp.experts", experts)], qkv_heads={"qkv": 6}, **MUON)
+    theirs = torch.optim.Muon(heads + stack, **MUON)
+    for _ in range(STEPS):
+        qkv.grad, experts.grad = torch.randn(24, 8), torch.randn(3, 5, 7)
+        for param, grad in zip(heads + stack, [*qkv.grad.view(6, 4, 8), *experts.grad]):
+            param.grad = grad.clone()
+        ours.step()
+        theirs.step()
+    assert torch.equal(qkv.detach(), torch.stack([h.detach() for h in heads]).view(24, 8))
+    assert torch.equal(experts.detach(), torch.stack([e.detach() for e in stack]))
+
+
+def test_aux_adamw_passes_qkv_heads_to_muon():
+    torch.manual_seed(0)
+    ours, theirs = torch.nn.Parameter(torch.randn(24, 8)), torch.nn.Parameter(torch.randn(24, 8))
+    theirs.data.copy_(ours.data)
+    group = dict(params=[ours], param_names=["attn.qkv.weight"], use_muon=True, **MUON)
+    optimizer = MuonWithAuxAdamW([group], qkv_heads={"qkv": 6})
+    reference = Muon([("attn.qkv.weight", theirs)], qkv_heads={"qkv": 6}, **MUON)
+    for _ in range(STEPS):
+        ours.grad = torch.randn(24, 8)
+        theirs.grad = ours.grad.clone()
+        optimizer.step()
+        reference.step()
+    assert optimizer.last_plan.owned == 6 and torch.equal(ours, theirs)

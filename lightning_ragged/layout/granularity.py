@@ -17,13 +17,14 @@ NON_MUON_NAME_PARTS = ("embed", "wte", "wpe", "pos", "head", "lm_head", "output"
 
 
 def is_muon_matrix(name: str, shape: Sequence[int], non_muon: Iterable[str] = NON_MUON_NAME_PARTS) -> bool:
-    """Muon's rule, by name and global shape: a 2-D matrix whose name contains none of ``non_muon``.
+    """Muon's rule, by name and global shape: a 2-D matrix or a 3-D ``[E, a, b]`` expert stack (one
+    matrix per expert) whose name contains none of ``non_muon``.
 
     The one definition shared by ``shard_granularity="muon"`` and
     ``lightning_ragged.optim.split_muon_params`` (which, given a module, also sends
     ``nn.Embedding`` weights to AdamW whatever their names).
     """
-    return len(shape) == 2 and not any(part in name for part in non_muon)
+    return len(shape) in (2, 3) and not any(part in name for part in non_muon)
 
 
 def row_numel(shape: torch.Size) -> int:
@@ -37,8 +38,9 @@ def resolve_granularity(policy: GranularityPolicy, name: str, param: torch.Tenso
     "row" keeps rows whole (``numel / shape[0]``), "block" keeps ``block_rows`` rows
     whole (1-D tensors: ``block_rows`` elements), "matrix" keeps the whole tensor on
     one rank, "muon" keeps whole the hidden matrices Muon orthogonalizes (``is_muon_matrix``:
-    zero collectives in its step) and cuts everything else (embeddings, head, vectors: the
-    AdamW side) at rows. The result is capped at the tensor's size so tiny tensors stay valid.
+    zero collectives in its step; a 3-D expert stack is cut between experts, each expert whole)
+    and cuts everything else (embeddings, head, vectors: the AdamW side) at rows. The result is
+    capped at the tensor's size so tiny tensors stay valid.
     """
     numel = max(param.numel(), 1)
     if callable(policy):
@@ -59,7 +61,8 @@ def resolve_granularity(policy: GranularityPolicy, name: str, param: torch.Tenso
     if policy == "matrix":
         return numel
     if policy == "muon":
-        return numel if is_muon_matrix(name, param.shape) else min(row_numel(param.shape), numel)
+        whole = param.dim() == 2 and is_muon_matrix(name, param.shape)
+        return numel if whole else min(row_numel(param.shape), numel)
     check_policy(policy)
     raise AssertionError(f"unhandled shard_granularity {policy!r}")  # a name in POLICIES without a branch
 

@@ -1,25 +1,29 @@
 """Muon on ragged shards: ``torch.optim.Muon``'s algorithm, Newton–Schulz on whole matrices.
 
-Per step, for every 2-D parameter with a gradient (all element-wise work on the local
-flat shard, exactly as ``torch.optim.Muon`` does it on the full tensor):
+The matrices are the 2-D weights, each expert of a fused ``[E, a, b]`` stack and, opt-in
+(``qkv_heads``), each head of a fused QKV weight (``optim/muon_matrices.py``); each is treated as
+``torch.optim.Muon`` treats a separate parameter of its shape. Per step, for every parameter
+with a gradient (all element-wise work on the local flat shard, exactly as ``torch.optim.Muon``
+does it on the full tensor):
 
 1. ``buf.lerp_(grad, 1 - momentum)``; ``update = grad.lerp(buf, momentum)`` (nesterov) or ``buf``.
 2. Newton–Schulz (``torch.optim._muon._zeropower_via_newtonschulz``: 5 steps in bf16 with
    coefficients (3.4445, −4.7750, 2.0315)) on the *whole* matrix:
 
    * a matrix that lies whole in one rank's segment (``shard_granularity="muon"`` or
-     ``"matrix"``, or a plan that happens to keep it whole) is orthogonalized by its owner — no collective;
+     ``"matrix"``; ``"row"`` for expert stacks; ``"block"`` with ``block_rows=d`` for heads; or a
+     plan that happens to keep it whole) is orthogonalized by its owner — no collective;
      the new values reach the other ranks through the next all-gather;
    * a matrix split across ranks is sent to a root rank chosen by load balancing
-     (greedy, largest first, on Newton–Schulz FLOPs ≈ 5·(4a²b + 2a³) for a ≤ b, counting
+     (greedy, largest first, experts and heads as units, on Newton–Schulz FLOPs ≈ 5·(4a²b + 2a³) for a ≤ b, counting
      the owned matrices' work too), orthogonalized there and its pieces sent back. All
      split matrices of a shard group travel in **one** asynchronous ``all_to_all_single``
      each way (uneven splits; works on gloo and NCCL), in bf16 — Newton–Schulz casts to
      bf16 first, so sending bf16 is exact. The owners' Newton–Schulz runs while the gather
      is in flight, and the roots apply their own pieces while the scatter is in flight.
 3. ``param.mul_(1 - lr·weight_decay)``; ``param.add_(O, alpha=-adjusted_lr)`` with
-   ``adjusted_lr`` from ``adjust_lr_fn`` ("original": √max(1, A/B); "match_rms_adamw":
-   0.2·√max(A, B)).
+   ``adjusted_lr`` from ``adjust_lr_fn`` on the matrix's ``[A, B]`` ("original": √max(1, A/B);
+   "match_rms_adamw": 0.2·√max(A, B)).
 
 Every rank must see the same parameters with gradients (true under ``fully_shard``: a
 reduced group sets every shard's ``.grad``, possibly empty) since roots and split sizes
@@ -29,13 +33,14 @@ are derived from that list.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Mapping
 
 import torch
 import torch.distributed as dist
 from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C, DEFAULT_NS_STEPS, EPS
 from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
 
+from lightning_ragged.optim.muon_matrices import HeadSpec, Ranges, matrix_layout, matrix_pieces
 from lightning_ragged.optim.named_state import RaggedOptimizer
 from lightning_ragged.optim.shards import local_flat
 from lightning_ragged.layout.granularity import NON_MUON_NAME_PARTS, is_muon_matrix
@@ -52,19 +57,20 @@ def split_muon_params(
     named_params: Iterable[tuple[str, torch.Tensor]] | torch.nn.Module,
     non_muon: Iterable[str] = NON_MUON_NAME_PARTS,
 ) -> tuple[list[tuple[str, torch.Tensor]], list[tuple[str, torch.Tensor]]]:
-    """Split parameters into (Muon: hidden 2-D matrices, AdamW: everything else).
+    """Split parameters into (Muon: hidden matrices and expert stacks, AdamW: everything else).
 
-    A parameter goes to Muon when its *global* shape is 2-D (sharded parameters are 1-D
-    views; their ``ragged_shard.global_shape`` is used) and its name contains none of
-    ``non_muon`` (embeddings, positional tables, the output head): ``is_muon_matrix``, the
-    rule ``shard_granularity="muon"`` shards by. Given a module, the weights of its
-    ``nn.Embedding`` layers (and anything tied to them) also go to AdamW.
+    A parameter goes to Muon when its *global* shape is 2-D, or 3-D (a fused ``[E, a, b]``
+    expert stack: one matrix per expert) — sharded parameters are 1-D views; their
+    ``ragged_shard.global_shape`` is used — and its name contains none of ``non_muon``
+    (embeddings, positional tables, the output head): ``is_muon_matrix``, the rule
+    ``shard_granularity="muon"`` shards by. Given a module, the weights of its
+    ``nn.Embedding`` layers (and anything tied to them) and of its convolutions (a Conv1d
+    weight is 3-D but no expert stack) also go to AdamW.
     """
     embedding_ids: set[int] = set()
     if isinstance(named_params, torch.nn.Module):
-        embedding_ids = {
-            id(p) for m in named_params.modules() if isinstance(m, torch.nn.Embedding) for p in m.parameters()
-        }
+        not_matrices = (torch.nn.Embedding, torch.nn.modules.conv._ConvNd)
+        embedding_ids = {id(p) for m in named_params.modules() if isinstance(m, not_matrices) for p in m.parameters()}
         named_params = named_params.named_parameters()
     parts = tuple(non_muon)
     muon, other = [], []
@@ -76,21 +82,36 @@ def split_muon_params(
 
 @dataclass
 class _Job:
-    """One matrix in this step."""
+    """One matrix in this step: a whole 2-D parameter, one expert or one head."""
 
     param: torch.Tensor
     group: dict[str, Any]
-    shard: RaggedShard
-    update: torch.Tensor  # local flat momentum update (fp32)
+    shard: RaggedShard  # the parameter's
+    shape: tuple[int, int]
+    pieces: Ranges  # every rank's piece of this matrix, relative to the matrix
+    update: torch.Tensor  # this rank's piece of the momentum update (fp32)
+    local_start: int  # where that piece starts in this rank's flat shard of the parameter
     root: int = -1  # rank (in its shard group) that runs Newton–Schulz
     split: bool = False
 
+    @property
+    def numel(self) -> int:
+        return self.shape[0] * self.shape[1]
+
     def piece(self, rank: int) -> tuple[int, int]:
-        return self.shard.rank_ranges[rank]
+        return self.pieces[rank]
 
     def piece_numel(self, rank: int) -> int:
-        start, end = self.shard.rank_ranges[rank]
+        start, end = self.pieces[rank]
         return end - start
+
+    def owner(self) -> int | None:
+        """The rank holding the whole matrix, or None when it is split."""
+        return next((rank for rank in range(len(self.pieces)) if self.piece_numel(rank) == self.numel), None)
+
+    def local_param(self) -> torch.Tensor:
+        """This rank's piece of the matrix in the parameter's local flat shard."""
+        return local_flat(self.param)[self.local_start : self.local_start + self.update.numel()]
 
 
 @dataclass
@@ -109,7 +130,12 @@ class MuonPlan:
 
 
 class Muon(RaggedOptimizer):
-    """``torch.optim.Muon`` for ragged-sharded (or plain) 2-D parameters; same arguments and defaults."""
+    """``torch.optim.Muon`` for ragged-sharded (or plain) 2-D parameters and 3-D expert stacks.
+
+    Same arguments and defaults as ``torch.optim.Muon``, plus ``qkv_heads`` (opt-in, default
+    off): ``{name fragment: head matrices}`` or ``(name, global_shape) -> head matrices | None``;
+    a matching 2-D weight is orthogonalized per head (``optim/muon_matrices.py``).
+    """
 
     def __init__(
         self,
@@ -122,6 +148,7 @@ class Muon(RaggedOptimizer):
         eps: float = EPS,
         ns_steps: int = DEFAULT_NS_STEPS,
         adjust_lr_fn: str | None = None,
+        qkv_heads: HeadSpec = None,
     ) -> None:
         if isinstance(lr, torch.Tensor) and lr.numel() != 1:
             raise ValueError("Tensor lr must be 1-element")
@@ -144,15 +171,23 @@ class Muon(RaggedOptimizer):
             adjust_lr_fn=adjust_lr_fn,
         )
         super().__init__(params, defaults)
+        if qkv_heads is not None and not callable(qkv_heads) and not isinstance(qkv_heads, Mapping):
+            raise ValueError(
+                f"qkv_heads={qkv_heads!r} is not supported; pass a dict {{name fragment: head matrices}} "
+                "or a callable (name, global_shape) -> head matrices or None"
+            )
+        self.qkv_heads = qkv_heads
         for group in self.param_groups:
             for param in self._muon_params(group):
                 shape = tuple(self.shard(param).global_shape)
-                if len(shape) != 2:
+                if len(shape) not in (2, 3):
                     raise ValueError(
-                        f"Muon only supports 2-D parameters, but {self.param_name(param)!r} has global shape "
-                        f"{shape}; give embeddings, norms, biases and the output head to AdamW "
+                        f"Muon only supports 2-D parameters (and 3-D [E, a, b] expert stacks, one matrix per "
+                        f"expert), but {self.param_name(param)!r} has global shape {shape}; give embeddings, "
+                        "norms, biases and the output head to AdamW "
                         "(lightning_ragged.optim.split_muon_params(model.named_parameters()) splits them)"
                     )
+                matrix_layout(self.param_name(param), shape, qkv_heads)  # refuses a bad qkv_heads entry now
         self.last_plan: MuonPlan | None = None
         self.newton_schulz: Callable[..., torch.Tensor] = _zeropower_via_newtonschulz
 
@@ -187,13 +222,29 @@ class Muon(RaggedOptimizer):
                 buf = state["momentum_buffer"]
                 buf.lerp_(grad, 1 - momentum)
                 update = grad.lerp(buf, momentum) if group["nesterov"] else buf
-                jobs.append(_Job(param, group, self.shard(param), update))
+                jobs += self._matrix_jobs(param, group, update)
         self.last_plan = self._assign_roots(jobs)
         by_group: dict[int, list[_Job]] = {}
         for job in jobs:
             by_group.setdefault(id(job.shard.process_group), []).append(job)
         for group_jobs in by_group.values():
             self._step_process_group(group_jobs)
+
+    def _matrix_jobs(self, param: torch.Tensor, group: dict[str, Any], update: torch.Tensor) -> list[_Job]:
+        """One job per matrix of ``param`` (the same list on every rank: it follows the global shape)."""
+        shard = self.shard(param)
+        count, shape = matrix_layout(self.param_name(param), shard.global_shape, self.qkv_heads)
+        numel = shape[0] * shape[1]
+        if not numel:
+            return []  # nothing to orthogonalize (and nothing to decay)
+        my_start = shard.local_range[0]
+        jobs = []
+        for offset in range(0, count * numel, numel):
+            pieces = matrix_pieces(shard.rank_ranges, offset, numel)
+            start, end = pieces[shard.rank]
+            local = offset + start - my_start if end > start else 0
+            jobs.append(_Job(param, group, shard, shape, pieces, update[local : local + end - start], local))
+        return jobs
 
     def _assign_roots(self, jobs: list[_Job]) -> MuonPlan:
         """Owners keep whole matrices; split ones go, largest first, to the least-loaded rank."""
@@ -202,19 +253,19 @@ class Muon(RaggedOptimizer):
         for job in jobs:
             key = group_index.setdefault(id(job.shard.process_group), len(group_index))
             loads = plan.flops_per_rank.setdefault(key, [0] * job.shard.world_size)
-            owner = job.shard.owner()
+            owner = job.owner()
             if owner is not None:
                 job.root = owner
-                loads[owner] += ns_flops(job.shard.global_shape, job.group["ns_steps"])
+                loads[owner] += ns_flops(job.shape, job.group["ns_steps"])
                 plan.owned += 1
         split = [job for job in jobs if job.root < 0]
-        order = sorted(range(len(split)), key=lambda i: (-ns_flops(split[i].shard.global_shape), i))
+        order = sorted(range(len(split)), key=lambda i: (-ns_flops(split[i].shape), i))
         for index in order:
             job = split[index]
             loads = plan.flops_per_rank[group_index[id(job.shard.process_group)]]
             job.root = min(range(len(loads)), key=lambda r: (loads[r], -job.piece_numel(r), r))
             job.split = True
-            loads[job.root] += ns_flops(job.shard.global_shape, job.group["ns_steps"])
+            loads[job.root] += ns_flops(job.shape, job.group["ns_steps"])
             plan.split += 1
         return plan
 
@@ -238,13 +289,16 @@ class Muon(RaggedOptimizer):
             received = torch.empty(sum(out_splits), dtype=torch.bfloat16, device=send.device)
             gather = (dist.all_to_all_single(received, send, out_splits, in_splits, group=pg, async_op=True), send)
 
-        # 2. Meanwhile: whole matrices on their owner, and weight decay everywhere.
+        # 2. Meanwhile: weight decay everywhere (once per parameter), whole matrices on their owner.
+        decayed: dict[int, None] = {}
         for job in jobs:
-            group = job.group
-            local_flat(job.param).mul_(1 - group["lr"] * group["weight_decay"])
+            if id(job.param) not in decayed:
+                decayed[id(job.param)] = None
+                local_flat(job.param).mul_(1 - job.group["lr"] * job.group["weight_decay"])
+        for job in jobs:
             if not job.split and job.root == me and job.update.numel():
-                ortho = self._orthogonalize(job, job.update.view(job.shard.global_shape))
-                local_flat(job.param).add_(ortho.reshape(-1), alpha=-self._adjusted_lr(job))
+                ortho = self._orthogonalize(job, job.update.view(job.shape))
+                job.local_param().add_(ortho.reshape(-1), alpha=-self._adjusted_lr(job))
         if not split:
             return
 
@@ -253,7 +307,7 @@ class Muon(RaggedOptimizer):
         cursor = 0
         fulls: dict[int, torch.Tensor] = {}
         for job in mine:
-            fulls[id(job)] = torch.empty(job.shard.numel, dtype=torch.bfloat16, device=job.update.device)
+            fulls[id(job)] = torch.empty(job.numel, dtype=torch.bfloat16, device=job.update.device)
         for source in range(world):
             if source == me:
                 continue
@@ -266,7 +320,7 @@ class Muon(RaggedOptimizer):
             full = fulls[id(job)]
             start, end = job.piece(me)
             full[start:end] = job.update
-            results[id(job)] = self._orthogonalize(job, full.view(job.shard.global_shape)).reshape(-1)
+            results[id(job)] = self._orthogonalize(job, full.view(job.shape)).reshape(-1)
         back_chunks = [
             [results[id(job)][job.piece(dest)[0] : job.piece(dest)[1]] for job in mine] if dest != me else []
             for dest in range(world)
@@ -276,14 +330,14 @@ class Muon(RaggedOptimizer):
         scatter = dist.all_to_all_single(received_back, send_back, in_splits, out_splits, group=pg, async_op=True)
         for job in mine:
             start, end = job.piece(me)
-            local_flat(job.param).add_(results[id(job)][start:end], alpha=-self._adjusted_lr(job))
+            job.local_param().add_(results[id(job)][start:end], alpha=-self._adjusted_lr(job))
         scatter.wait()
         cursor = 0
         for root in range(world):
             for job in split:
                 if job.root == root and root != me and job.update.numel():
                     numel = job.update.numel()
-                    local_flat(job.param).add_(received_back[cursor : cursor + numel], alpha=-self._adjusted_lr(job))
+                    job.local_param().add_(received_back[cursor : cursor + numel], alpha=-self._adjusted_lr(job))
                     cursor += numel
 
     def _orthogonalize(self, job: _Job, matrix: torch.Tensor) -> torch.Tensor:
@@ -296,7 +350,7 @@ class Muon(RaggedOptimizer):
     def _adjusted_lr(job: _Job) -> float:
         lr = job.group["lr"]
         lr = lr.item() if isinstance(lr, torch.Tensor) else lr
-        return _adjust_lr(lr, job.group["adjust_lr_fn"], job.shard.global_shape)
+        return _adjust_lr(lr, job.group["adjust_lr_fn"], torch.Size(job.shape))
 
 
 def _empty_bf16(jobs: list[_Job]) -> torch.Tensor:

@@ -9,7 +9,8 @@ this with two param groups (``muon_param_groups(self)`` builds them)::
         dict(params=[p for _, p in adamw], use_muon=False, lr=3e-3, weight_decay=0.01),
     ])
 
-Groups with ``use_muon=True`` follow ``Muon`` (same keys and defaults); the others follow
+Groups with ``use_muon=True`` follow ``Muon`` (same keys and defaults; keyword arguments such as
+``qkv_heads`` go to ``Muon``); the others follow
 ``torch.optim.AdamW`` (``lr``, ``betas``, ``eps``, ``weight_decay``), stepped by torch's own
 functional ``torch.optim.adamw.adamw`` with AdamW's defaults, element-wise on the local
 shards, so any granularity works.
@@ -33,7 +34,8 @@ def muon_param_groups(
     muon: dict[str, Any] | None = None,
     adamw: dict[str, Any] | None = None,
 ) -> list[dict[str, Any]]:
-    """Two named param groups (Muon for hidden matrices, AdamW for the rest; see ``split_muon_params``)."""
+    """Two named param groups (Muon for hidden matrices and 3-D expert stacks, AdamW for the rest;
+    see ``split_muon_params``). Per-head QKV is a ``MuonWithAuxAdamW(groups, qkv_heads=...)`` argument."""
     muon_named, adamw_named = split_muon_params(named_params)
     groups = []
     for named, use_muon, extra in ((muon_named, True, muon), (adamw_named, False, adamw)):

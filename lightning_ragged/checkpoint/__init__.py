@@ -4,12 +4,13 @@
 DTensors · ``model_state.py`` / ``optimizer_state.py`` (+ ``zero_dim.py``) state dicts both
 ways · ``atomic_dir.py`` one-rename publishing · ``writer.py`` saving (sync/async) ·
 ``reader.py`` validation and inspection · ``loading.py`` / ``single_file.py`` loading ·
-``consolidation.py`` one ordinary file · ``checksums.py``, ``safe_unpickle.py``,
+``consolidation.py`` one ordinary file · ``hf_export.py`` Hugging Face safetensors · ``checksums.py``, ``safe_unpickle.py``,
 ``timeout.py`` integrity, trust and named save timeouts.
 """
 
 from lightning_ragged.checkpoint.atomic_dir import OLD_PREFIX, TMP_PREFIX, partial_path, remove_checkpoint
 from lightning_ragged.checkpoint.consolidation import consolidate
+from lightning_ragged.checkpoint.hf_export import export_hf
 from lightning_ragged.checkpoint.errors import (
     CheckpointError,
     CheckpointMismatchError,
@@ -45,6 +46,7 @@ __all__ = [
     "NamedStateOptimizer",
     "UntrustedCheckpointError",
     "consolidate",
+    "export_hf",
     "inspect_checkpoint",
     "is_sharded_checkpoint",
     "load",

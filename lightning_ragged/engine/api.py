@@ -29,13 +29,13 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from lightning_ragged.engine.auto_grouping import auto_groups
 from lightning_ragged.engine.collectives import CommStats
 from lightning_ragged.engine.dbuffer import DBuffer
-from lightning_ragged.engine.fsdp_module import make_fsdp_module
+from lightning_ragged.engine.fsdp_module import make_fsdp_module, make_save_pretrained_gather
 from lightning_ragged.layout.auto import AutoPlan
 from lightning_ragged.layout.granularity import GranularityPolicy, resolve_granularity
 from lightning_ragged.engine.grouping import GroupSpec, ParamGroupPlan, parameter_slots, plan_groups, split_into_dbuffers
 from lightning_ragged.layout.planner import plan
 from lightning_ragged.layout.spec import TensorSpec
-from lightning_ragged.engine.runtime import RaggedFSDPState, eager
+from lightning_ragged.engine.runtime import RaggedFSDPState, eager, get_state
 from lightning_ragged.engine.shard_group import ShardGroup
 from lightning_ragged.engine.state_sync import BufferSync, sync_params_and_buffers
 
@@ -214,6 +214,7 @@ def fully_shard(
     for group in state.all_groups:
         make_fsdp_module(group.module)
     make_fsdp_module(module)
+    make_save_pretrained_gather(module)
     for submodule in module.modules():
         submodule.__dict__["_ragged_fsdp_state"] = state
     return module
@@ -388,14 +389,6 @@ def _install_hooks(state: RaggedFSDPState) -> None:
         for dbuffer, name, param in group.unsharded_params():
             if param.requires_grad:
                 state.hook_grad(dbuffer, name, param)
-
-
-def get_state(module: nn.Module) -> RaggedFSDPState:
-    """The engine state of a sharded model; any of its submodules finds it too."""
-    state = module.__dict__.get("_ragged_fsdp_state")
-    if state is None:
-        raise ValueError(f"{type(module).__name__} is not sharded; call lightning_ragged.fully_shard(module) first")
-    return state
 
 
 def set_requires_gradient_sync(module: nn.Module, requires_gradient_sync: bool) -> None:

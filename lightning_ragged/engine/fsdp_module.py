@@ -11,9 +11,13 @@ from __future__ import annotations
 from typing import Any, Callable, Iterable
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
-_CLASSES: dict[type, type] = {}
+from lightning_ragged.engine.state_dict import full_state_dict
+
+_FSDP_CLASSES: dict[type, type] = {}
+_GATHER_CLASSES: dict[type, type] = {}
 
 
 class FSDPModule:
@@ -118,8 +122,49 @@ def make_fsdp_module(module: nn.Module) -> None:
     cls = type(module)
     if issubclass(cls, FSDPModule):
         return
-    new_cls = _CLASSES.get(cls)
+    cls = cls.__dict__.get("_ragged_original", cls)  # already given the save_pretrained gather: start from its class
+    new_cls = _FSDP_CLASSES.get(cls)
     if new_cls is None:
-        new_cls = type(f"RaggedFSDP{cls.__name__}", (FSDPModule, cls), {"__module__": cls.__module__})
-        _CLASSES[cls] = new_cls
+        namespace: dict[str, Any] = {"__module__": cls.__module__, "_ragged_original": cls}
+        if callable(getattr(cls, "save_pretrained", None)):  # a transformers model
+            namespace["save_pretrained"] = _sharded_save_pretrained
+        new_cls = type(f"RaggedFSDP{cls.__name__}", (FSDPModule, cls), namespace)
+        _FSDP_CLASSES[cls] = new_cls
     module.__class__ = new_cls
+
+
+def make_save_pretrained_gather(root: nn.Module) -> None:
+    """Every ``transformers`` model inside ``root`` (e.g. the one a LightningModule holds) saves full tensors.
+
+    Its class becomes a subclass whose only change is ``save_pretrained`` (see
+    :func:`_sharded_save_pretrained`); modules that are groups already got it from
+    :func:`make_fsdp_module`. Without this, ``save_pretrained`` would write each rank's 1-D shards.
+    """
+    for module in root.modules():
+        cls = type(module)
+        if "_ragged_original" in cls.__dict__ or not callable(getattr(cls, "save_pretrained", None)):
+            continue
+        new_cls = _GATHER_CLASSES.get(cls)
+        if new_cls is None:
+            namespace = {"__module__": cls.__module__, "_ragged_original": cls, "save_pretrained": _sharded_save_pretrained}
+            new_cls = type(cls.__name__, (cls,), namespace)
+            _GATHER_CLASSES[cls] = new_cls
+        module.__class__ = new_cls
+
+
+def _sharded_save_pretrained(self: nn.Module, save_directory: Any, *args: Any, **kwargs: Any) -> None:
+    """``save_pretrained`` of a sharded ``transformers`` model: full tensors, not each rank's 1-D shards.
+
+    Collective (every rank calls it, as FSDP2 users call it under torch's ``StateDictOptions``):
+    the full state dict is gathered one DBuffer at a time to rank 0's CPU, and rank 0 alone
+    writes it through the model class's own ``save_pretrained``.
+    """
+    if "state_dict" in kwargs:
+        raise ValueError(
+            "save_pretrained(state_dict=...) on a model sharded by lightning_ragged.fully_shard: the full state dict "
+            "is gathered from the shards; drop state_dict (or call it on an unsharded copy)"
+        )
+    full = full_state_dict(self, cpu_offload=True, rank0_only=True)
+    if dist.get_rank() == 0:
+        type(self)._ragged_original.save_pretrained(self, save_directory, *args, state_dict=full, **kwargs)
+    dist.barrier()

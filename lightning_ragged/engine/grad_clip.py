@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_ragged.engine.dbuffer import DBuffer
-from lightning_ragged.engine.api import get_state
+from lightning_ragged.engine.runtime import get_state
 
 ParamsOrModule = Union[nn.Module, torch.Tensor, Iterable[torch.Tensor]]
 

@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_ragged.engine.api import get_state
+from lightning_ragged.engine.runtime import get_state
 from lightning_ragged.engine.init_replay import (
     InitEvent,
     Trace,

@@ -322,6 +322,14 @@ class RaggedFSDPState:
             group.reshard()
 
 
+def get_state(module: nn.Module) -> RaggedFSDPState:
+    """The engine state of a sharded model; any of its submodules finds it too."""
+    state = module.__dict__.get("_ragged_fsdp_state")
+    if state is None:
+        raise ValueError(f"{type(module).__name__} is not sharded; call lightning_ragged.fully_shard(module) first")
+    return state
+
+
 def eager(hook: Any) -> Any:
     """Keep an engine hook out of ``torch.compile``'s graphs (it allocates, frees and issues collectives).
 

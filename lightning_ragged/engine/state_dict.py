@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_ragged.engine import collectives
-from lightning_ragged.engine.api import get_state
+from lightning_ragged.engine.runtime import get_state
 from lightning_ragged.engine.dbuffer import DBuffer
 
 

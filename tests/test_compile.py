@@ -10,7 +10,6 @@ blocks, nothing compiled after the first step, and training matches eager.
 
 from __future__ import annotations
 
-import os
 import time
 
 import pytest
@@ -19,6 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 import lightning_ragged as lr
+from tests.inductor_env import inductor_in_process
 from tests.models import lm_loss, make_batches, make_model
 
 STEPS = 3
@@ -67,24 +67,10 @@ def _max_diff(model: nn.Module, reference: dict[str, torch.Tensor]) -> float:
 
 def check_compiled_blocks_match_eager(cache_dir: str) -> dict:
     """3 AdamW steps: blocks compiled after fully_shard vs eager sharded vs single process."""
-    import torch._inductor.config
     from torch._dynamo.utils import counters
 
-    previous_cache = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir  # compiled kernels go to the test's tmp dir
-    torch._dynamo.reset()
-    counters.clear()
-    try:
-        # Compile in the rank's own process: on 2 cores the ranks already use every core, and
-        # a pool of compile workers per rank only adds processes (and their torch imports).
-        with torch._inductor.config.patch(compile_threads=1):
-            return _train_compiled_eager_and_oracle(counters)
-    finally:
-        torch._dynamo.reset()
-        if previous_cache is None:
-            os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
-        else:
-            os.environ["TORCHINDUCTOR_CACHE_DIR"] = previous_cache
+    with inductor_in_process(cache_dir):
+        return _train_compiled_eager_and_oracle(counters)
 
 
 def _train_compiled_eager_and_oracle(counters) -> dict:

@@ -135,6 +135,26 @@ def test_to_after_sharding_is_refused(dist_pool):
     assert dist_pool(2).run(check_refuses_to_move_or_cast)[0] == {"dtype": "torch.float32"}
 
 
+def check_composition_refuses_other_process_groups() -> str:
+    """FSDP2 pattern with a block sharded over other ranks than the root: one model, one set of process groups."""
+    own, groups = dist.new_subgroups(group_size=1)  # each rank alone: the block sharded apart from the root
+    model = make_model()
+    lr.fully_shard(model.blocks[0], process_group=own)
+    try:
+        with pytest.raises(ValueError, match=r"'blocks.0' was sharded over other process groups.*same process_group"):
+            lr.fully_shard(model)
+        same = make_model()
+        lr.fully_shard(same.blocks[0], process_group=dist.group.WORLD)  # WORLD and None are one group
+        return type(lr.fully_shard(same)).__name__
+    finally:
+        for group in groups:
+            dist.destroy_process_group(group)
+
+
+def test_composition_refuses_other_process_groups(dist_pool):
+    assert dist_pool(2).run(check_composition_refuses_other_process_groups) == ["RaggedFSDPTinyLM"] * 2
+
+
 def check_submodule_state_dicts() -> dict:
     reference = make_model()
     model = lr.fully_shard(make_model())

@@ -141,6 +141,16 @@ def fully_shard(
     adopted: list[ShardGroup] = []
     paths = {id(m): name for name, m in module.named_modules()}
     for child in children:
+        world = dist.group.WORLD
+        other = next((b for g in child.all_groups for b in g.dbuffers
+                      if (b.process_group or world, b.replicate_group) != (process_group or world, replicate_group)),
+                     None)
+        if other is not None:  # the root's collectives (e.g. the used-gradient flags) span every group at once
+            raise ValueError(
+                f"{paths[id(child.root)]!r} was sharded over other process groups than this fully_shard call's: "
+                "pass the same process_group and replicate_group to every fully_shard call of one model"
+            )
+    for child in children:
         for handle in child.handles:
             handle.remove()
         prefix = paths[id(child.root)]
@@ -169,7 +179,7 @@ def fully_shard(
         dbuffers, slots = [], []
         for dbuffer_params in _dbuffer_params(group_plan, dbuffer_size):
             first = dbuffer_params[0][1]
-            unit = alignment or max(1, VIEW_ALIGNMENT_BYTES // _smallest_element(first.dtype, param_dtype))
+            unit = _view_unit(alignment, first.dtype, param_dtype)
             specs = [
                 TensorSpec(name, param.numel(), resolve_granularity(shard_granularity, name, param, block_rows))
                 for name, param in dbuffer_params
@@ -261,8 +271,7 @@ def auto_plan_for(
             "bytes, e.g. memory_budget_bytes=80 * 10**9"
         )
     first = next(iter(module.parameters()), None)
-    unit = alignment or max(1, VIEW_ALIGNMENT_BYTES // _smallest_element(
-        first.dtype if first is not None else torch.float32, param_dtype))
+    unit = _view_unit(alignment, first.dtype if first is not None else torch.float32, param_dtype)
     return auto_groups(
         module, group_modules, world_size=world_size, replicate_degree=replicate_degree,
         memory_budget_bytes=memory_budget_bytes, granularity=granularity, block_rows=block_rows, alignment=unit,
@@ -316,6 +325,11 @@ def _dbuffer_params(group_plan: ParamGroupPlan, dbuffer_size: int) -> Iterator[l
             params = [(name, p) for name, p in run if p.requires_grad == trainable]
             if params:
                 yield from split_into_dbuffers(params, dbuffer_size)
+
+
+def _view_unit(alignment: int | None, master_dtype: torch.dtype, param_dtype: torch.dtype | None) -> int:
+    """The planner's alignment in elements: the caller's, else 16 bytes of the smaller element (aligned views)."""
+    return alignment or max(1, VIEW_ALIGNMENT_BYTES // _smallest_element(master_dtype, param_dtype))
 
 
 def _smallest_element(*dtypes: torch.dtype | None) -> int:

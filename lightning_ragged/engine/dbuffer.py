@@ -376,6 +376,7 @@ class DBuffer:
         self._awaiting.clear()
         self._used.clear()
         self.free_unsharded_grad()
+        self._partial = None  # a kept 1/n of the buffer (reshard_after_forward=int) would be gathered stale
         self._free_unsharded()
 
     @property
@@ -404,6 +405,16 @@ class DBuffer:
                 notify(self, EventKind.GRAD_BUFFER_FREED)
 
     # ------------------------------------------------------------- full views
+    @property
+    def full_numel(self) -> int:
+        """Elements of the full (m·S) flat buffer: every rank's segment."""
+        return self.world_size * self.layout.segment_size
+
+    def full_view(self, flat: torch.Tensor, name: str) -> torch.Tensor:
+        """``name``'s original-shape view into a full flat buffer laid out as this DBuffer (any dtype or device)."""
+        shape, begin = self.unsharded_params[name].shape, self.layout.offsets[name]
+        return flat[begin : begin + shape.numel()].view(shape)
+
     def load_full(self, tensors: dict[str, torch.Tensor]) -> None:
         """Copy this rank's pieces of full tensors (some or all of this buffer's) into the sharded segment."""
         with torch.no_grad():

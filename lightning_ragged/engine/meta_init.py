@@ -197,7 +197,7 @@ def materialize_meta_module(
 
 
 def _group_bytes(group: ShardGroup) -> int:
-    return sum(b.world_size * b.layout.segment_size * b.sharded.element_size() for b in group.dbuffers)
+    return sum(b.full_numel * b.sharded.element_size() for b in group.dbuffers)
 
 
 def _dry_run(module: nn.Module, groups: list[ShardGroup], events: list[InitEvent],
@@ -207,12 +207,10 @@ def _dry_run(module: nn.Module, groups: list[ShardGroup], events: list[InitEvent
     views: dict[tuple[int, str], nn.Parameter] = {}
     for group in groups:
         for dbuffer in group.dbuffers:
-            flat = torch.empty(dbuffer.world_size * dbuffer.layout.segment_size, dtype=dbuffer.master_dtype,
-                               device="meta")
-            for name, param in dbuffer.unsharded_params.items():
-                begin = dbuffer.layout.offsets[name]
+            flat = torch.empty(dbuffer.full_numel, dtype=dbuffer.master_dtype, device="meta")
+            for name in dbuffer.unsharded_params:
                 requires_grad = dbuffer.sharded_params[name].requires_grad
-                view = nn.Parameter(flat[begin : begin + param.numel()].view(param.shape), requires_grad)
+                view = nn.Parameter(dbuffer.full_view(flat, name), requires_grad)
                 views[(id(dbuffer), name)] = view
                 tracked.append((view, (id(dbuffer), name)))
     for group in groups:
@@ -309,13 +307,9 @@ def _open_group(group: ShardGroup) -> dict[tuple[int, str], torch.Tensor]:
     """Allocate full master-dtype buffers for a group and point its module slots at full views."""
     views: dict[tuple[int, str], torch.Tensor] = {}
     for dbuffer in group.dbuffers:
-        layout = dbuffer.layout
-        full = torch.zeros(dbuffer.world_size * layout.segment_size, dtype=dbuffer.master_dtype, device=dbuffer.device)
+        full = torch.zeros(dbuffer.full_numel, dtype=dbuffer.master_dtype, device=dbuffer.device)
         for name, param in dbuffer.unsharded_params.items():
-            begin = layout.offsets[name]
-            views[(id(dbuffer), name)] = nn.Parameter(
-                full[begin : begin + param.numel()].view(param.shape), requires_grad=param.requires_grad
-            )
+            views[(id(dbuffer), name)] = nn.Parameter(dbuffer.full_view(full, name), requires_grad=param.requires_grad)
         views[(id(dbuffer), "")] = full
     group.point_slots_at(lambda dbuffer, name: views[(id(dbuffer), name)])
     return views

@@ -47,9 +47,9 @@ class RaggedFSDPState:
         self.stats = stats
         self.requires_gradient_sync = True
         self.keep_last_unsharded = False
+        """Keep the group the last forward ran last unsharded until its backward, the first to need it."""
         self.max_inflight_all_gathers = 1
         """Groups all-gathered ahead of the running one (from the recorded order)."""
-        """Keep the group the last forward ran last unsharded until its backward, the first to need it."""
         self.forward_order: list[ShardGroup] = []
         """Groups in the order the current (or last) forward ran them."""
         self._previous_order: list[ShardGroup] = []
@@ -296,7 +296,7 @@ class RaggedFSDPState:
     def _settle_unused(self) -> None:
         """One small all-reduce: a parameter that received no gradient on any rank keeps ``grad is None``."""
         flags = [flag for dbuffer in self._reduced for flag in dbuffer.used_flags()]
-        counts = torch.tensor(flags, dtype=torch.int32)
+        counts = torch.tensor(flags, dtype=torch.int32, device=self._reduced[0].device)  # NCCL serves device tensors only
         pending = collectives.all_reduce(counts, self._reduced[0].process_group, async_op=True)
         replicate = self._reduced[0].replicate_group
         self._finish_in_flight()

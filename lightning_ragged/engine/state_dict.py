@@ -103,7 +103,7 @@ def _gather_full(
     gather = rank0_only and _has_gather(group)
     full = None
     if receives or not gather:
-        full = torch.empty(dbuffer.world_size * dbuffer.layout.segment_size, dtype=dbuffer.master_dtype, device=dbuffer.device)
+        full = torch.empty(dbuffer.full_numel, dtype=dbuffer.master_dtype, device=dbuffer.device)
     if gather:
         dist.gather(dbuffer.sharded, list(full.chunk(dbuffer.world_size)) if receives else None, dst=0, group=group)
     else:
@@ -111,7 +111,7 @@ def _gather_full(
     out = {}
     if receives:
         for name in names:
-            view = _full_view(dbuffer, full, name)
+            view = dbuffer.full_view(full, name)
             out[name] = view.to(dbuffer.device if device is None else device, copy=True)
     if full is not None:
         full.untyped_storage().resize_(0)  # now, not when the backend's work object lets go of it
@@ -124,12 +124,6 @@ _GATHER_BACKENDS = ("gloo", "nccl", "mpi", "ucc")
 def _has_gather(group: dist.ProcessGroup | None) -> bool:
     """The group's backend (every backend of "cpu:gloo,cuda:nccl") has ``dist.gather``."""
     return all(part.split(":")[-1] in _GATHER_BACKENDS for part in dist.get_backend(group).split(","))
-
-
-def _full_view(dbuffer: DBuffer, flat: torch.Tensor, name: str) -> torch.Tensor:
-    """``name``'s original-shape view into a full (m·S) flat buffer laid out as ``dbuffer``."""
-    shape, begin = dbuffer.unsharded_params[name].shape, dbuffer.layout.offsets[name]
-    return flat[begin : begin + shape.numel()].view(shape)
 
 
 def load_full_state_dict(
@@ -159,10 +153,10 @@ def load_full_state_dict(
 
 def _broadcast_flat(dbuffer: DBuffer, state_dict: dict[str, torch.Tensor], tensor_keys: dict[str, str]) -> dict[str, torch.Tensor]:
     """Rank 0's full tensors of one DBuffer, packed at their layout offsets and broadcast: name -> full view."""
-    flat = torch.empty(dbuffer.world_size * dbuffer.layout.segment_size, dtype=dbuffer.master_dtype, device=dbuffer.device)
+    flat = torch.empty(dbuffer.full_numel, dtype=dbuffer.master_dtype, device=dbuffer.device)
     views = {}
     for name, key in tensor_keys.items():
-        views[name] = _full_view(dbuffer, flat, name)
+        views[name] = dbuffer.full_view(flat, name)
         if dist.get_rank() == 0:
             views[name].copy_(state_dict[key])
     dist.broadcast(flat, src=0)

@@ -56,11 +56,10 @@ def scatter_from_rank0(dbuffer: DBuffer, params: Sequence[tuple[str, torch.Tenso
     if dbuffer.world_size > 1:
         scatter_list = None
         if dbuffer.rank == 0:
-            full = torch.zeros(dbuffer.world_size * segment, dtype=dbuffer.master_dtype, device=dbuffer.device)
+            full = torch.zeros(dbuffer.full_numel, dtype=dbuffer.master_dtype, device=dbuffer.device)
             with torch.no_grad():
                 for name, param in params:
-                    begin = dbuffer.layout.offsets[name]
-                    full[begin : begin + param.numel()].copy_(param.detach().reshape(-1))
+                    dbuffer.full_view(full, name).copy_(param.detach())
             scatter_list = list(full.split(segment))  # views: one flat buffer, no per-rank copy
         dist.scatter(dbuffer.sharded, scatter_list, src=_global_rank(group, 0), group=group)
     replicate = dbuffer.replicate_group

@@ -154,19 +154,26 @@ def test_strategy_resolves_recommended_at_setup(tmp_path) -> None:
     strategy = RaggedFSDPStrategy(dbuffer_size="recommended")
     assert strategy.dbuffer_size == "recommended" and strategy.applied_dbuffer_size is None
     assert RaggedFSDPStrategy(dbuffer_size=MiB).applied_dbuffer_size == MiB
-    trainer = SimpleNamespace(default_root_dir=str(tmp_path))
+    strategy._lightning_module = SimpleNamespace(_trainer=SimpleNamespace(default_root_dir=str(tmp_path)))
     with pytest.warns(UserWarning, match=f"no .*{TUNING_FILE} yet.*using the default {DEFAULT_DBUFFER_SIZE}"):
-        assert strategy._recommended_dbuffer_size(trainer) == DEFAULT_DBUFFER_SIZE
-    write_recommendation(tmp_path, Recommendation(12 * MiB, 1, "grow", "why"), step=3)
-    assert strategy._recommended_dbuffer_size(trainer) == 12 * MiB
+        strategy._apply_recommendation()
+    assert strategy.applied_dbuffer_size == DEFAULT_DBUFFER_SIZE
+    write_recommendation(tmp_path, Recommendation(12 * MiB, 2, "prefetch_more", "why"), step=3)
+    strategy._apply_recommendation()
+    assert strategy.applied_dbuffer_size == 12 * MiB
+    assert strategy._engine_kwargs["max_inflight_all_gathers"] == 2  # the prefetch advice applies too
+    given = RaggedFSDPStrategy(dbuffer_size="recommended", max_inflight_all_gathers=0)
+    given._lightning_module = strategy._lightning_module
+    given._apply_recommendation()
+    assert given._engine_kwargs["max_inflight_all_gathers"] == 0  # ... unless the user chose it
     (tmp_path / TUNING_FILE).write_text("[]")
     with pytest.raises(ValueError, match="is not a tuning file"):
-        strategy._recommended_dbuffer_size(trainer)
+        strategy._apply_recommendation()
 
 
 @pytest.fixture(scope="module")
 def fits(tmp_path_factory) -> dict:
-    """Four 2-process fits in one launch (about 20 s): measured, recommended, explicit oracle, default."""
+    """Three 2-process fits in one launch (about 15 s): measured, recommended, explicit oracle."""
     out = tmp_path_factory.mktemp("tuning") / "out.json"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     done = subprocess.run([sys.executable, str(ROOT / "tests" / "tuning_fit.py"), str(out)],

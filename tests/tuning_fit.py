@@ -57,7 +57,7 @@ def _labelled(model):
 
 
 def main(out: Path) -> None:
-    first, second, third = (str(out.parent / f"tuning{i}") for i in range(3))  # the same on every rank
+    first, second = (str(out.parent / f"tuning{i}") for i in range(2))  # the same on every rank
     results = {"small": SMALL, "measured": fit(first, SMALL)}
     file = Path(first) / TUNING_FILE
     for _ in range(600):  # rank 0 writes it at its fit end, maybe after rank 1 got here
@@ -67,8 +67,7 @@ def main(out: Path) -> None:
     written = json.loads(file.read_text())
     results["file"] = written
     results["recommended"] = fit(first, "recommended")
-    results["explicit"] = fit(third, written["dbuffer_size"])
-    results["default"] = fit(second, 256 * 2**20)
+    results["explicit"] = fit(second, written["dbuffer_size"])
     if results["measured"]["rank"] == 0:
         out.write_text(json.dumps(results))
 

@@ -223,14 +223,15 @@ def add_metrics_callback(
     """Append a :class:`RaggedFSDPMetrics` to ``trainer.callbacks`` unless one is there (idempotent).
 
     ``RaggedFSDPStrategy.setup`` calls it. ``metrics=False`` turns the logging off but keeps
-    the diagnostics (and the endpoint, if ``monitor_port`` is given); with everything off
-    it adds nothing. ``kwargs`` go to the callback (``monitor_port``, ``monitor_address``...).
+    the diagnostics (and the endpoint, if ``monitor_port`` is given) and writes no tuning
+    file; with everything off it adds nothing. ``kwargs`` go to the callback (``monitor_port``, ``monitor_address``...).
     """
     for callback in trainer.callbacks:
         if isinstance(callback, RaggedFSDPMetrics):
             return callback
     if not metrics and not diagnostics and kwargs.get("monitor_port") is None:
         return None
+    kwargs.setdefault("tuning", metrics)  # metrics=False: no recommendation, no tuning file written
     callback = RaggedFSDPMetrics(log_metrics=metrics, diagnostics=diagnostics, **kwargs)
     trainer.callbacks.append(callback)
     return callback

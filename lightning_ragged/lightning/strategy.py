@@ -82,7 +82,7 @@ class RaggedFSDPStrategy(ParallelStrategy):
         block_rows: rows per block for ``shard_granularity="block"``.
         dbuffer_size: the largest flat buffer (bytes) of one group; bigger groups are split.
             ``"recommended"``: the value the metrics callback wrote to
-            ``<default_root_dir>/ragged_fsdp_tuning.json`` at the last fit's end (read at setup;
+            ``<default_root_dir>/ragged_fsdp_tuning.json`` at the last fit's end (read at start-up;
             256 MiB with a warning when there is none). See docs/operations.md.
         planning_algorithm: the layout planner (``"optimal"`` by default; see ``layout/planner.py``).
         reshard_after_forward: free each group's full parameters after its forward (ZeRO-3)
@@ -189,9 +189,9 @@ class RaggedFSDPStrategy(ParallelStrategy):
         self.block_rows = block_rows
         self.dbuffer_size = dbuffer_size
         self.applied_dbuffer_size: Optional[int] = dbuffer_size if isinstance(dbuffer_size, int) else None
+        """The bytes ``fully_shard`` gets (``"recommended"`` is resolved once the process group exists)."""
         self.auto_replicate_degree: Optional[int] = None
         """The HSDP degree ``replicate_degree="auto"`` chose (set when the process groups are built)."""
-        """The bytes ``fully_shard`` gets (``"recommended"`` is resolved in ``setup``)."""
         self.planning_algorithm = planning_algorithm
         self.reshard_after_forward = reshard_after_forward
         self.group_modules = list(group_modules) if group_modules is not None else None
@@ -305,12 +305,18 @@ class RaggedFSDPStrategy(ParallelStrategy):
         kwargs["device_id"] = self.root_device if self.root_device.type != "cpu" else None
         configure_flight_recorder(self._process_group_backend, self._flight_recorder_dir())
         _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
+        if self.dbuffer_size == "recommended" and self.applied_dbuffer_size is None:
+            self._apply_recommendation()  # before replicate_degree="auto" plans with it
         self._build_process_groups()
+
+    def _default_root_dir(self) -> str:
+        """The Trainer's ``default_root_dir`` (the current directory before a Trainer is attached)."""
+        trainer = getattr(self._lightning_module, "_trainer", None)
+        return trainer.default_root_dir if trainer is not None else os.getcwd()
 
     def _flight_recorder_dir(self) -> Path:
         """Where NCCL's flight recorder dumps on a timeout: ``<default_root_dir>/flight_recorder`` (docs/operations.md)."""
-        trainer = getattr(self._lightning_module, "_trainer", None)
-        return Path(trainer.default_root_dir if trainer is not None else os.getcwd()) / "flight_recorder"
+        return Path(self._default_root_dir()) / "flight_recorder"
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
@@ -387,8 +393,6 @@ class RaggedFSDPStrategy(ParallelStrategy):
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
         if getattr(self.model, "_ragged_fsdp_state", None) is None:
-            if self.dbuffer_size == "recommended":
-                self.applied_dbuffer_size = self._recommended_dbuffer_size(trainer)
             self.model = self._shard(self.model)
         else:  # a second fit/validate/test with the same module: rebind to this run's groups
             self._rebind_process_groups(self.model)
@@ -433,9 +437,13 @@ class RaggedFSDPStrategy(ParallelStrategy):
             materialize_meta_module(model, self.root_device)
         return model
 
-    def _recommended_dbuffer_size(self, trainer: "pl.Trainer") -> int:
-        """Rank 0 reads the tuning file and every rank takes its value (the same layout on every rank)."""
-        directory = trainer.default_root_dir
+    def _apply_recommendation(self) -> None:
+        """``dbuffer_size="recommended"``: take the metrics callback's last recommendation.
+
+        Rank 0 reads the tuning file and every rank takes its value (the same layout on every
+        rank); its prefetch depth applies too unless ``max_inflight_all_gathers`` was given.
+        """
+        directory = self._default_root_dir()
         found: Any = None
         if self.global_rank == 0:
             try:
@@ -450,9 +458,14 @@ class RaggedFSDPStrategy(ParallelStrategy):
                 f"dbuffer_size='recommended': no {Path(directory) / TUNING_FILE} yet (a fit with the metrics callback "
                 f"writes it at its end); using the default {DEFAULT_DBUFFER_SIZE} bytes (256 MiB)"
             )
-            return DEFAULT_DBUFFER_SIZE
-        rank_zero_info(f"dbuffer_size='recommended': {found.dbuffer_size} bytes from {directory} ({found.reason})")
-        return found.dbuffer_size
+            self.applied_dbuffer_size = DEFAULT_DBUFFER_SIZE
+            return
+        self.applied_dbuffer_size = found.dbuffer_size
+        self._engine_kwargs.setdefault("max_inflight_all_gathers", found.max_inflight_all_gathers)
+        rank_zero_info(
+            f"dbuffer_size='recommended': {found.dbuffer_size} bytes, max_inflight_all_gathers="
+            f"{self._engine_kwargs['max_inflight_all_gathers']} from {directory} ({found.reason})"
+        )
 
     def _rebind_process_groups(self, model: nn.Module) -> None:
         for dbuffer in get_state(model).dbuffers():

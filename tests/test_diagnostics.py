@@ -186,6 +186,34 @@ def test_flight_recorder_dumps_without_a_stall_and_with_a_rank_missing():
     assert flight_recorder.stall_from_dumps(in_step) is None
 
 
+def test_flight_recorder_names_a_rank_that_died_without_a_dump():
+    """NCCL dumps carry each process group's members in ``pg_config`` (gloo's leave it empty): a member
+    that wrote no dump (its process died first) is missing, and the message says it wrote none."""
+    from lightning_ragged.observability import flight_recorder
+
+    dumps = flight_recorder.read_dumps(FR_DUMPS)
+    config = {"1": {"name": "1", "desc": "undefined", "ranks": "[0, 1, 2]"}}
+    survivors = {r: {**dumps[r], "pg_config": config} for r in (0, 1)}
+    error = flight_recorder.stall_from_dumps(survivors)
+    assert error.missing_ranks == [2] and error.arrived_ranks == [0, 1]
+    assert "rank 2: no dump" in str(error) and "Ranks [2] wrote no dump" in str(error)
+
+
+def test_collective_signatures_name_every_engine_collective_of_a_layout():
+    """The engine's all-gather, both reductions and HSDP's replica all-reduce of one DBuffer's layout."""
+    from lightning_ragged import TensorSpec, plan
+    from lightning_ragged.observability import flight_recorder
+
+    layout = plan([TensorSpec("w", 12, 3), TensorSpec("b", 5, 1)], 2)
+    full, segment = layout.buffer_numel, layout.segment_size
+    signatures = flight_recorder.collective_signatures([("blocks.0", layout), ("blocks.1", layout)])
+    assert signatures == {
+        key: "blocks.0 or blocks.1"
+        for key in (("all_gather", segment, full), ("reduce_scatter", full, segment), ("all_reduce", full, full),
+                    ("all_reduce", segment, segment))
+    }
+
+
 def test_flight_recorder_loader_executes_nothing(tmp_path):
     import pickle
 

@@ -211,11 +211,16 @@ def _named(
 def collective_signatures(labels_and_layouts: Iterable[tuple[str, Any]]) -> dict[tuple[str, int, int], str]:
     """(collective, input elements, output elements) -> FSDP group, from ``EngineMetrics.groups()``.
 
-    Groups with the same sizes share a key: their names are joined with " or ".
+    The engine's collectives: the all-gather (segment -> full), the gradient reduction
+    (reduce-scatter full -> segment, or all-reduce of the full buffer where ``reduce_mode`` is
+    ``"all_reduce"``) and HSDP's all-reduce of the reduced segment over the replicas. Groups
+    with the same sizes share a key: their names are joined with " or ".
     """
     signatures: dict[tuple[str, int, int], str] = {}
     for label, layout in labels_and_layouts:
         full, segment = layout.buffer_numel, layout.segment_size
-        for key in (("all_gather", segment, full), ("reduce_scatter", full, segment), ("all_reduce", full, full)):
+        keys = (("all_gather", segment, full), ("reduce_scatter", full, segment), ("all_reduce", full, full),
+                ("all_reduce", segment, segment))
+        for key in keys:
             signatures[key] = f"{signatures[key]} or {label}" if key in signatures else label
     return signatures

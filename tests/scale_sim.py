@@ -98,7 +98,7 @@ def predict(preset: str, world: int, alignment: int | None = None) -> dict[str, 
 def empty_ranks(preset: str, world: int) -> list[int]:
     """Ranks whose segment of some DBuffer is all padding, from the planner's layouts (plan CLI inputs)."""
     from lightning_ragged.cli.model_groups import describe_model
-    from lightning_ragged.cli.plan import granularity_of
+    from lightning_ragged.layout.auto import shape_granularity
     from lightning_ragged.layout.planner import plan
     from lightning_ragged.layout.spec import TensorSpec
 
@@ -106,7 +106,7 @@ def empty_ranks(preset: str, world: int) -> list[int]:
     for kind in describe_model(config_of(preset), preset).groups:
         for run in kind.runs:
             specs = [
-                TensorSpec(name, torch.Size(shape).numel(), granularity_of(GRANULARITY, name, shape, 128))
+                TensorSpec(name, torch.Size(shape).numel(), shape_granularity(GRANULARITY, name, shape, 128))
                 for name, shape in run
             ]
             layout = plan(specs, world, alignment=view_alignment())

@@ -33,17 +33,12 @@ from typing import Any, Optional, Sequence
 
 from lightning_ragged.cli.model_groups import PRESETS, ModelDescription, describe_model, load_config
 from lightning_ragged.layout.granularity import POLICIES
-from lightning_ragged.layout.auto import DEFAULT_PADDING_TARGET, AutoPlan, auto_plan, shape_granularity
+from lightning_ragged.layout.auto import DEFAULT_PADDING_TARGET, DTYPE_OF_BYTES, AutoPlan, auto_plan, shape_granularity
 from lightning_ragged.layout.memory import DTYPE_BYTES, OPTIMIZER_STATE_BYTES, memory_estimate, parse_bytes
 
 
 
 # ------------------------------------------------------------------------- planning
-def granularity_of(policy: str, name: str, shape: tuple[int, ...], block_rows: int) -> int:
-    """The engine's granularity for a parameter of this shape (``resolve_granularity`` on a meta tensor)."""
-    return shape_granularity(policy, name, shape, block_rows)
-
-
 def block_cuts(specs: Sequence[Any], world_size: int) -> int:
     """Rank boundaries of an even flat split (segments of ``ceil(total/world)``) that fall inside a block."""
     total = sum(spec.numel for spec in specs)
@@ -79,7 +74,7 @@ def plan_model(
     from lightning_ragged.layout.planner import plan
     from lightning_ragged.layout.spec import TensorSpec
 
-    master = {4: torch.float32, 2: torch.bfloat16, 1: torch.float8_e4m3fn}[master_bytes]
+    master = DTYPE_OF_BYTES[master_bytes]
     results = []
     for kind in description.groups:
         dbuffers = []
@@ -89,7 +84,7 @@ def plan_model(
         planned = []
         for dbuffer in dbuffers:
             specs = [
-                TensorSpec(name, param.numel(), granularity_of(granularity, name, tuple(param.shape), block_rows))
+                TensorSpec(name, param.numel(), shape_granularity(granularity, name, tuple(param.shape), block_rows))
                 for name, param in dbuffer
             ]
             started = time.perf_counter()

@@ -35,7 +35,8 @@ from lightning_ragged.layout.spec import TensorSpec, align_up
 
 Shapes = list[tuple[str, tuple[int, ...]]]
 DEFAULT_PADDING_TARGET = 0.03
-_DTYPES = {4: torch.float32, 2: torch.bfloat16, 1: torch.float8_e4m3fn}
+DTYPE_OF_BYTES = {4: torch.float32, 2: torch.bfloat16, 1: torch.float8_e4m3fn}
+"""The dtype planned for a master/compute element size (the plan report's fp32/bf16/fp8)."""
 
 
 class BudgetTooSmall(ValueError):
@@ -206,9 +207,8 @@ class _Search:
                  target) -> None:
         self.kinds, self.world, self.budget, self.alignment, self.algorithm = kinds, world, budget, alignment, algorithm
         self.master, self.param, self.optimizer, self.target = master, param, optimizer, target
-        dtype = _DTYPES.get(master, torch.float32)
         self.specs = [
-            [[TensorSpec(n, math.prod(s), shape_granularity(policy, n, s, block_rows, dtype)) for n, s in run]
+            [[TensorSpec(n, math.prod(s), shape_granularity(policy, n, s, block_rows)) for n, s in run]
              for run in kind.runs]
             for kind in kinds
         ]
@@ -356,11 +356,9 @@ class _Search:
         return said + f": no less, but {blocks}x fewer collectives and no more memory per rank"
 
 
-def shape_granularity(
-    policy: GranularityPolicy, name: str, shape: tuple[int, ...], block_rows: int = 128, dtype: torch.dtype = torch.float32
-) -> int:
+def shape_granularity(policy: GranularityPolicy, name: str, shape: tuple[int, ...], block_rows: int = 128) -> int:
     """The engine's granularity of a parameter of this shape (``resolve_granularity`` on a meta tensor)."""
-    return resolve_granularity(policy, name, torch.empty(shape, device="meta", dtype=dtype), block_rows)
+    return resolve_granularity(policy, name, torch.empty(shape, device="meta"), block_rows)
 
 
 def _copies(runs: list[list[Any]], blocks: int, rename: Callable[[int, Any], Any]) -> list[list[Any]]:
@@ -434,7 +432,7 @@ def _check(kinds, world, policy, budget, block_rows, alignment, algorithm, maste
     if algorithm not in ALGORITHMS:
         raise ValueError(f"algorithm={algorithm!r} is unknown; use one of {ALGORITHMS}")
     for name, value in (("master_bytes", master), ("param_bytes", param)):
-        if value not in _DTYPES:
+        if value not in DTYPE_OF_BYTES:
             raise ValueError(f"{name}={value!r} must be an element size in bytes: 4, 2 or 1")
     if optimizer not in OPTIMIZER_STATE_BYTES:
         raise ValueError(f"optimizer={optimizer!r} is unknown; use one of {tuple(OPTIMIZER_STATE_BYTES)}")

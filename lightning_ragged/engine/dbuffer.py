@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_ragged.engine import collectives
+from lightning_ragged.engine import collectives, storage
 from lightning_ragged.engine.collectives import REDUCE_MODES, CommStats, PendingCollective, default_reduce_mode
 from lightning_ragged.engine.events import DBufferObserver, EventKind, notify, observed
 from lightning_ragged.layout.spec import Layout
@@ -95,7 +95,7 @@ class DBuffer:
         """Gradients land in the buffer by a cast-copy (``param.grad`` cannot be a view of another dtype)."""
         self._landed: set[str] = set()
         """Parameters whose gradient is in the buffer since it was allocated (``_land_by_copy`` only)."""
-        self._padding = _padding(layout, self.world_size * segment)
+        self._padding = storage.padding(layout, self.world_size * segment)
         self._awaiting: set[str] = set()
         self._used: set[str] = set()
         self._grad_was_none: set[str] = set()
@@ -132,15 +132,15 @@ class DBuffer:
                     self.unsharded[full].view(param.shape), requires_grad=param.requires_grad
                 )
                 self._unsharded_grad_views[name] = self.unsharded_grad[full].view(param.shape)
-        _free(self.unsharded)
-        _free(self.unsharded_grad)
+        storage.free(self.unsharded)
+        storage.free(self.unsharded_grad)
         self._pending_unshard: PendingCollective | None = None
         self._pending_reduce: PendingCollective | None = None
 
     # ----------------------------------------------------------------- unshard
     @property
     def is_unsharded(self) -> bool:
-        return _is_allocated(self.unsharded)
+        return storage.is_allocated(self.unsharded)
 
     @property
     def unshard_pending(self) -> bool:
@@ -157,7 +157,7 @@ class DBuffer:
 
     def _issue_unshard(self, async_op: bool) -> None:
         started = time.perf_counter()
-        _allocate(self.unsharded, self._unsharded_bytes)
+        storage.allocate(self.unsharded, self._unsharded_bytes)
         if self._partial is not None:  # kept by reshard_after_forward=int: gather inside the smaller group
             source, group, self._partial = self._partial, self._partial_group, None
         else:
@@ -184,11 +184,8 @@ class DBuffer:
         self._free_unsharded()
 
     def _free_unsharded(self) -> None:
-        storage = self.unsharded.untyped_storage()
-        if storage.nbytes() > 0:
-            storage.resize_(0)
-            if self.observers:
-                notify(self, EventKind.RESHARDED)
+        if storage.free(self.unsharded) and self.observers:
+            notify(self, EventKind.RESHARDED)
 
     def set_partial_group(self, group: dist.ProcessGroup, size: int) -> None:
         """``reshard_after_forward=size``: after forward keep 1/size of the buffer, re-gathered inside ``group``."""
@@ -219,7 +216,7 @@ class DBuffer:
 
     @property
     def has_unsharded_grad(self) -> bool:
-        return _is_allocated(self.unsharded_grad)
+        return storage.is_allocated(self.unsharded_grad)
 
     def sync_requires_grad(self) -> list[tuple[str, nn.Parameter]]:
         """Mirror the shards' ``requires_grad`` onto the full parameters; return those that just became trainable."""
@@ -238,7 +235,7 @@ class DBuffer:
             observed(self, EventKind.GRAD_BUFFER_ALLOCATED, None, self._allocate_grad)
 
     def _allocate_grad(self) -> None:
-        _allocate(self.unsharded_grad, self._grad_bytes)
+        storage.allocate(self.unsharded_grad, self._grad_bytes)
         if self._land_by_copy:  # gradients will write their views: zero only the padding between them
             for gap in self._padding:
                 self.unsharded_grad[gap].zero_()
@@ -398,11 +395,8 @@ class DBuffer:
         for param in self.unsharded_params.values():
             param.grad = None
         self._landed.clear()
-        storage = self.unsharded_grad.untyped_storage()
-        if storage.nbytes() > 0:
-            storage.resize_(0)
-            if self.observers:
-                notify(self, EventKind.GRAD_BUFFER_FREED)
+        if storage.free(self.unsharded_grad) and self.observers:
+            notify(self, EventKind.GRAD_BUFFER_FREED)
 
     # ------------------------------------------------------------- full views
     @property
@@ -422,28 +416,3 @@ class DBuffer:
                 param = self.sharded_params[name]
                 param.copy_(param.ragged_shard.local_part(tensor))
 
-
-def _padding(layout: Layout, numel: int) -> list[slice]:
-    """The stretches of a DBuffer's flat buffer that no tensor covers."""
-    gaps, position = [], 0
-    for begin, name in sorted((offset, name) for name, offset in layout.offsets.items()):
-        if begin > position:
-            gaps.append(slice(position, begin))
-        position = max(position, begin + layout.specs[name].numel)
-    if position < numel:
-        gaps.append(slice(position, numel))
-    return gaps
-
-
-def _is_allocated(tensor: torch.Tensor) -> bool:
-    return tensor.untyped_storage().nbytes() > 0
-
-
-def _allocate(tensor: torch.Tensor, nbytes: int) -> None:
-    if tensor.untyped_storage().nbytes() != nbytes:
-        tensor.untyped_storage().resize_(nbytes)
-
-
-def _free(tensor: torch.Tensor) -> None:
-    if tensor.untyped_storage().nbytes() > 0:
-        tensor.untyped_storage().resize_(0)

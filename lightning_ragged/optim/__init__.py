@@ -1,4 +1,4 @@
-"""Structure-aware optimizers on ragged shards: Muon, Shampoo and block-wise 8-bit AdamW.
+"""Structure-aware optimizers on ragged shards: Muon, Shampoo, SOAP and block-wise 8-bit AdamW.
 
 See docs/optimizers.md for the granularity each one needs and a Lightning example.
 """
@@ -8,6 +8,8 @@ from lightning_ragged.optim.muon import Muon, MuonPlan, ns_flops, split_muon_par
 from lightning_ragged.optim.muon_adamw import MuonWithAuxAdamW, muon_param_groups
 from lightning_ragged.optim.named_state import RaggedOptimizer
 from lightning_ragged.optim.shampoo import Shampoo
+from lightning_ragged.optim.soap import SOAP
+from lightning_ragged.optim.tiles import TilePlan
 
 __all__ = [
     "AdamW8bit",
@@ -15,7 +17,9 @@ __all__ = [
     "MuonPlan",
     "MuonWithAuxAdamW",
     "RaggedOptimizer",
+    "SOAP",
     "Shampoo",
+    "TilePlan",
     "block_granularity",
     "muon_param_groups",
     "ns_flops",

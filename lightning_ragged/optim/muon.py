@@ -18,7 +18,8 @@ does it on the full tensor):
      (greedy, largest first, experts and heads as units, on Newton–Schulz FLOPs ≈ 5·(4a²b + 2a³) for a ≤ b, counting
      the owned matrices' work too), orthogonalized there and its pieces sent back. All
      split matrices of a shard group travel in **one** asynchronous ``all_to_all_single``
-     each way (uneven splits; works on gloo and NCCL), in bf16 — Newton–Schulz casts to
+     each way (uneven splits; works on gloo and NCCL; ``optim/tile_exchange.py``, shared with Shampoo
+     and SOAP), in bf16 — Newton–Schulz casts to
      bf16 first, so sending bf16 is exact. The owners' Newton–Schulz runs while the gather
      is in flight, and the roots apply their own pieces while the scatter is in flight.
 3. ``param.mul_(1 - lr·weight_decay)``; ``param.add_(O, alpha=-adjusted_lr)`` with
@@ -36,13 +37,13 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping
 
 import torch
-import torch.distributed as dist
 from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C, DEFAULT_NS_STEPS, EPS
 from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
 
 from lightning_ragged.optim.muon_matrices import HeadSpec, Ranges, matrix_layout, matrix_pieces
 from lightning_ragged.optim.named_state import RaggedOptimizer
 from lightning_ragged.optim.shards import local_flat
+from lightning_ragged.optim.tile_exchange import SplitExchange
 from lightning_ragged.layout.granularity import NON_MUON_NAME_PARTS, is_muon_matrix
 from lightning_ragged.layout.ragged_shard import RaggedShard, shard_of
 
@@ -271,23 +272,16 @@ class Muon(RaggedOptimizer):
 
     def _step_process_group(self, jobs: list[_Job]) -> None:
         me = jobs[0].shard.rank
-        world = jobs[0].shard.world_size
-        pg = jobs[0].shard.process_group
         split = [job for job in jobs if job.split]
-        mine = [job for job in split if job.root == me]
 
-        # 1. Gather every split matrix's pieces to its root: one async all-to-all.
-        gather = None
+        # 1. Gather every split matrix's pieces to its root: one async all-to-all (bf16).
+        exchange = None
         if split:
-            send_chunks = [[] for _ in range(world)]
-            for job in split:
-                if job.root != me and job.update.numel():
-                    send_chunks[job.root].append(job.update.to(torch.bfloat16))
-            in_splits = [sum(c.numel() for c in chunks) for chunks in send_chunks]
-            out_splits = [0 if s == me else sum(job.piece_numel(s) for job in mine) for s in range(world)]
-            send = torch.cat([c for chunks in send_chunks for c in chunks]) if any(in_splits) else _empty_bf16(jobs)
-            received = torch.empty(sum(out_splits), dtype=torch.bfloat16, device=send.device)
-            gather = (dist.all_to_all_single(received, send, out_splits, in_splits, group=pg, async_op=True), send)
+            exchange = SplitExchange(
+                [job.pieces for job in split], [job.root for job in split], me, jobs[0].shard.process_group,
+                torch.bfloat16, jobs[0].update.device,
+            )
+            exchange.gather([job.update for job in split])
 
         # 2. Meanwhile: weight decay everywhere (once per parameter), whole matrices on their owner.
         decayed: dict[int, None] = {}
@@ -299,46 +293,18 @@ class Muon(RaggedOptimizer):
             if not job.split and job.root == me and job.update.numel():
                 ortho = self._orthogonalize(job, job.update.view(job.shape))
                 job.local_param().add_(ortho.reshape(-1), alpha=-self._adjusted_lr(job))
-        if not split:
+        if exchange is None:
             return
 
-        # 3. Roots: assemble, orthogonalize, send the pieces back (one async all-to-all).
-        gather[0].wait()
-        cursor = 0
-        fulls: dict[int, torch.Tensor] = {}
-        for job in mine:
-            fulls[id(job)] = torch.empty(job.numel, dtype=torch.bfloat16, device=job.update.device)
-        for source in range(world):
-            if source == me:
-                continue
-            for job in mine:
-                start, end = job.piece(source)
-                fulls[id(job)][start:end] = received[cursor : cursor + end - start]
-                cursor += end - start
-        results: dict[int, torch.Tensor] = {}
-        for job in mine:
-            full = fulls[id(job)]
-            start, end = job.piece(me)
-            full[start:end] = job.update
-            results[id(job)] = self._orthogonalize(job, full.view(job.shape)).reshape(-1)
-        back_chunks = [
-            [results[id(job)][job.piece(dest)[0] : job.piece(dest)[1]] for job in mine] if dest != me else []
-            for dest in range(world)
-        ]
-        send_back = torch.cat([c for chunks in back_chunks for c in chunks]) if any(out_splits) else _empty_bf16(jobs)
-        received_back = torch.empty(sum(in_splits), dtype=torch.bfloat16, device=send_back.device)
-        scatter = dist.all_to_all_single(received_back, send_back, in_splits, out_splits, group=pg, async_op=True)
-        for job in mine:
-            start, end = job.piece(me)
-            job.local_param().add_(results[id(job)][start:end], alpha=-self._adjusted_lr(job))
-        scatter.wait()
-        cursor = 0
-        for root in range(world):
-            for job in split:
-                if job.root == root and root != me and job.update.numel():
-                    numel = job.update.numel()
-                    job.local_param().add_(received_back[cursor : cursor + numel], alpha=-self._adjusted_lr(job))
-                    cursor += numel
+        # 3. Roots: orthogonalize, send the pieces back (one async all-to-all), apply their own pieces meanwhile.
+        fulls = exchange.gathered()
+        results = {i: self._orthogonalize(split[i], full.view(split[i].shape)).reshape(-1) for i, full in fulls.items()}
+        exchange.scatter(results)
+        for i, result in results.items():
+            start, end = split[i].piece(me)
+            split[i].local_param().add_(result[start:end], alpha=-self._adjusted_lr(split[i]))
+        for i, piece in exchange.scattered().items():
+            split[i].local_param().add_(piece, alpha=-self._adjusted_lr(split[i]))
 
     def _orthogonalize(self, job: _Job, matrix: torch.Tensor) -> torch.Tensor:
         group = job.group
@@ -352,6 +318,3 @@ class Muon(RaggedOptimizer):
         lr = lr.item() if isinstance(lr, torch.Tensor) else lr
         return _adjust_lr(lr, job.group["adjust_lr_fn"], torch.Size(job.shape))
 
-
-def _empty_bf16(jobs: list[_Job]) -> torch.Tensor:
-    return torch.empty(0, dtype=torch.bfloat16, device=jobs[0].update.device)

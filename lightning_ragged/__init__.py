@@ -4,6 +4,7 @@ from lightning_ragged.layout.errors import DBufferAlignmentError, RaggedShardBou
 from lightning_ragged.engine.api import fully_shard, get_state, no_sync, set_requires_gradient_sync
 from lightning_ragged.engine.state_dict import full_state_dict, load_full_state_dict
 from lightning_ragged.engine.fsdp_module import FSDPModule
+from lightning_ragged.engine.fp8_gather import Float8AllGather
 from lightning_ragged.engine.grad_clip import clip_grad_norm_, clip_grad_value_
 from lightning_ragged.layout.planner import plan
 from lightning_ragged.layout.ragged_shard import RaggedShard
@@ -14,6 +15,7 @@ from lightning_ragged.engine.wrapper import FullyShardedDataParallel
 __all__ = [
     "DBufferAlignmentError",
     "FSDPModule",
+    "Float8AllGather",
     "FullyShardedDataParallel",
     "Layout",
     "RaggedFSDPStrategy",

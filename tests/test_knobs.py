@@ -115,6 +115,7 @@ BAD = [
     ("max_inflight_all_gathers", -1, ValueError, "max_inflight_all_gathers=1"),
     ("max_inflight_all_gathers", 1.0, TypeError, "max_inflight_all_gathers=1"),
     ("keep_last_unsharded", "yes", TypeError, "keep_last_unsharded=True"),
+    ("keep_cast_shard", 1, TypeError, "keep_cast_shard=True"),
     ("blocks_per_group", 0, ValueError, "blocks_per_group=2"),
     ("planning", "optimal", ValueError, "use one of ('auto',)"),
     ("memory_budget_bytes", "80GB", TypeError, "memory_budget_bytes=80 * 10**9"),
@@ -147,8 +148,8 @@ def test_every_knob_has_a_check_and_kwargs_are_fully_shards() -> None:
     assert set(KNOB_CHECKS) == {p.name for p in parameters if p.kind is inspect.Parameter.KEYWORD_ONLY}
     engine = set(inspect.signature(fully_shard).parameters)
     assert set(engine_kwarg_names()) == engine - set(SET_BY_STRATEGY) - set(KNOB_CHECKS) == {
-        "reduce_mode", "alignment", "keep_last_unsharded", "max_inflight_all_gathers",
-        "blocks_per_group", "planning", "memory_budget_bytes",
+        "reduce_mode", "alignment", "keep_last_unsharded", "max_inflight_all_gathers", "keep_cast_shard",
+        "blocks_per_group", "planning", "memory_budget_bytes", "fp8_all_gather",
     }
     assert set(SET_BY_STRATEGY) <= engine
 

@@ -53,13 +53,13 @@ def expected_traffic(state) -> dict:
     return dict(all_gathers=gathers, all_gather_bytes=gather_bytes, reduces=dbuffers, reduce_bytes=reduce_bytes)
 
 
-def check_engine_metrics(mixed_precision: bool) -> dict:
+def check_engine_metrics(mixed_precision: bool, keep_cast_shard: bool = False) -> dict:
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     from lightning_ragged.observability.metrics import EngineMetrics
 
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16) if mixed_precision else None
-    model = lr.fully_shard(make_model(), mp_policy=policy)
+    model = lr.fully_shard(make_model(), mp_policy=policy, keep_cast_shard=keep_cast_shard)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     metrics = EngineMetrics(model)
     data = make_batches(STEPS, BATCH)
@@ -73,10 +73,11 @@ def check_engine_metrics(mixed_precision: bool) -> dict:
         metrics.end_step()
     values = metrics.compute()
     cast = sum(dbuffer.layout.segment_size * 2 for dbuffer in state.dbuffers()) if mixed_precision else 0
-    gathers_per_bucket = {id(b): (1 if g.is_root else 2) for g in state.all_groups for b in g.dbuffers}
+    # a block is gathered twice a step (forward, backward re-gather); a kept cast serves both
+    casts_per_bucket = {id(b): (1 if g.is_root or keep_cast_shard else 2) for g in state.all_groups for b in g.dbuffers}
     expected = expected_traffic(state)
     expected["engine_copy_bytes"] = sum(
-        gathers_per_bucket[id(b)] * b.layout.segment_size * 2 for b in state.dbuffers()
+        casts_per_bucket[id(b)] * b.layout.segment_size * 2 for b in state.dbuffers()
     ) if mixed_precision else 0
     layouts = [(b.layout.padding_ratio, b.layout.segment_size) for b in state.dbuffers()]
     metrics.close()
@@ -88,9 +89,11 @@ def check_engine_metrics(mixed_precision: bool) -> dict:
                 grad_bytes_after_step=grad_bytes_after_step, freed_by_zero_grad=freed_by_zero_grad)
 
 
-@pytest.mark.parametrize("mixed_precision", [False, True], ids=["fp32", "bf16"])
-def test_engine_metrics_match_planned_buffers(dist_pool, mixed_precision):
-    results = dist_pool(2).run(check_engine_metrics, mixed_precision)
+@pytest.mark.parametrize(
+    "mixed_precision,keep_cast_shard", [(False, False), (True, False), (True, True)], ids=["fp32", "bf16", "bf16-kept-cast"]
+)
+def test_engine_metrics_match_planned_buffers(dist_pool, mixed_precision, keep_cast_shard):
+    results = dist_pool(2).run(check_engine_metrics, mixed_precision, keep_cast_shard)
     for result in results:
         values, expected = result["values"], result["expected"]
         for key, want in expected.items():
@@ -228,25 +231,25 @@ def test_stalled_rank_raises_named_timeout(dist_pool):
 
 
 def check_oom_at_unshard_is_named() -> str:
-    import lightning_ragged.engine.dbuffer as dbuffer
+    import lightning_ragged.engine.storage as storage
     from lightning_ragged.observability.diagnostics import UnshardOutOfMemoryError
     from lightning_ragged.observability.probes import probe
 
     model = lr.fully_shard(make_model())
     probe(model).step = 3
-    original = dbuffer._allocate
+    original = storage.allocate
 
     def fail(tensor, nbytes):
         raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate {nbytes} bytes")
 
-    dbuffer._allocate = fail
+    storage.allocate = fail
     try:
         model(make_batches(1, 2)[0])
     except UnshardOutOfMemoryError as error:
         assert error.group == "root#0" and error.buffer_bytes > 0
         return str(error)
     finally:
-        dbuffer._allocate = original
+        storage.allocate = original
     return "no error"
 
 

@@ -19,7 +19,7 @@ reduce and reshard is ``runtime.py``'s business.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -29,6 +29,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from lightning_ragged.engine.auto_grouping import auto_groups
 from lightning_ragged.engine.collectives import CommStats
 from lightning_ragged.engine.dbuffer import DBuffer
+from lightning_ragged.engine.fp8_gather import Float8AllGather, Fp8Gather, fp8_param_ids, tile_granularity
 from lightning_ragged.engine.fsdp_module import make_fsdp_module, make_save_pretrained_gather
 from lightning_ragged.layout.auto import AutoPlan
 from lightning_ragged.layout.granularity import GranularityPolicy, resolve_granularity
@@ -66,6 +67,8 @@ def fully_shard(
     broadcast_buffers: bool = True,
     keep_last_unsharded: bool = False,
     max_inflight_all_gathers: int = 1,
+    keep_cast_shard: bool = False,
+    fp8_all_gather: Float8AllGather | None = None,
 ) -> nn.Module:
     """Shard ``module``'s parameters over ``process_group`` with ragged, structure-aware shards.
 
@@ -91,6 +94,10 @@ def fully_shard(
     buffer held through the loss. ``max_inflight_all_gathers`` (default 1, as FSDP2): how many
     groups, in the recorded order, are all-gathered ahead of the running one; each costs one
     more full buffer alive (explicit ``set_modules_to_*_prefetch`` lists are taken as given).
+    ``keep_cast_shard``: with an ``mp_policy.param_dtype`` other than the parameters' dtype, keep the
+    cast of this rank's shard from the forward all-gather for the backward re-gather (and no_sync
+    micro-batches, evaluation forwards) until the shard changes or an optimizer steps: one cast per
+    DBuffer per step instead of two, for the cast shards held until the step; see ``shard_cast.py``.
     ``group_modules``: block classes, modules, or lists of consecutive sibling modules that each
     form one group (all-gathered at the first one's forward, done with after the last one's;
     it must run them in module order); ``blocks_per_group=k`` joins every stack's blocks k at a
@@ -98,7 +105,9 @@ def fully_shard(
     ``dbuffer_size`` with ``layout.auto.auto_plan`` within ``memory_budget_bytes`` per rank, at the
     replicate degree the caller's ``replicate_group`` gives (HSDP needs the caller's process
     groups: search the degree with the planner CLI or the strategy); ``get_state(m).auto_plan``
-    keeps the plan.
+    keeps the plan. ``fp8_all_gather=Float8AllGather(tile=128)``: ``nn.Linear`` weights are all-gathered
+    as fp8 with one scale per tile, computed on the rank that holds the tile (their DBuffers are
+    their own, cut only between tile rows), and dequantized into the compute dtype; see ``fp8_gather.py``.
     """
     existing = module.__dict__.get("_ragged_fsdp_state")
     if existing is not None:
@@ -112,7 +121,7 @@ def fully_shard(
     world_size = dist.get_world_size(process_group)
     reshard_after_forward = _check_reshard_after_forward(reshard_after_forward, world_size)
     flags = (("sync_module_states", sync_module_states), ("broadcast_buffers", broadcast_buffers),
-             ("keep_last_unsharded", keep_last_unsharded))
+             ("keep_last_unsharded", keep_last_unsharded), ("keep_cast_shard", keep_cast_shard))
     for knob, flag in flags:
         if not isinstance(flag, bool):
             raise TypeError(f"{knob}={flag!r} must be a bool: pass {knob}=True or {knob}=False")
@@ -122,6 +131,7 @@ def fully_shard(
             f"max_inflight_all_gathers={max_inflight_all_gathers!r} must be an int >= 0 (0: no prefetch, "
             "1: one group ahead as FSDP2, more: more overlap for one more full buffer each)"
         )
+    fp8_ids = fp8_param_ids(module, fp8_all_gather)
     children = _child_states(module)
     if children and (group_modules is not None or blocks_per_group != 1 or planning is not None):
         raise ValueError(
@@ -177,13 +187,14 @@ def fully_shard(
     built: list[tuple[DBuffer, list[tuple[str, nn.Parameter]]]] = []
     for group_plan in group_plans:
         dbuffers, slots = [], []
-        for dbuffer_params in _dbuffer_params(group_plan, dbuffer_size):
+        for dbuffer_params in _dbuffer_params(group_plan, dbuffer_size, lambda p: id(p) in fp8_ids):
             first = dbuffer_params[0][1]
+            fp8 = fp8_all_gather if id(first) in fp8_ids else None
             unit = _view_unit(alignment, first.dtype, param_dtype)
-            specs = [
-                TensorSpec(name, param.numel(), resolve_granularity(shard_granularity, name, param, block_rows))
-                for name, param in dbuffer_params
-            ]
+            granularities = [resolve_granularity(shard_granularity, name, p, block_rows) for name, p in dbuffer_params]
+            if fp8 is not None:  # no tile of an fp8 weight is cut: its scale is computed on one rank
+                granularities = [tile_granularity(g, p, fp8.tile) for g, (_, p) in zip(granularities, dbuffer_params)]
+            specs = [TensorSpec(name, p.numel(), g) for g, (name, p) in zip(granularities, dbuffer_params)]
             layout = plan(specs, world_size, algorithm=planning_algorithm, alignment=unit)
             dbuffer = DBuffer(
                 layout,
@@ -195,9 +206,13 @@ def fully_shard(
                 reduce_mode=reduce_mode,
                 stats=stats,
                 device=device,
+                keep_cast_shard=keep_cast_shard,
             )
             if partial_group is not None:
                 dbuffer.set_partial_group(partial_group, reshard_after_forward)
+            if fp8 is not None:
+                shapes = {name: p.shape for name, p in dbuffer_params}
+                dbuffer.fp8_gather = Fp8Gather(layout, shapes, dbuffer.rank, fp8, dbuffer.device)
             dbuffers.append(dbuffer)
             built.append((dbuffer, dbuffer_params))
             for name, param in dbuffer_params:
@@ -314,17 +329,19 @@ def _in_module_order(root: nn.Module, groups: list[ShardGroup]) -> list[ShardGro
     return sorted(groups, key=lambda g: (g.is_root, position.get(id(g.module), 0)))
 
 
-def _dbuffer_params(group_plan: ParamGroupPlan, dbuffer_size: int) -> Iterator[list[tuple[str, nn.Parameter]]]:
-    """DBuffers of one group: per run, trainable and frozen parameters apart, each split by size.
+def _dbuffer_params(
+    group_plan: ParamGroupPlan, dbuffer_size: int, apart: Callable[[nn.Parameter], bool]
+) -> Iterator[list[tuple[str, nn.Parameter]]]:
+    """DBuffers of one group: per run, trainable and frozen parameters apart, each split by size and ``apart``.
 
     Frozen parameters get DBuffers of their own, which never allocate a gradient buffer
-    nor join a reduction.
+    nor join a reduction; so do the fp8-gathered weights (``apart``).
     """
     for run in group_plan.runs:
         for trainable in (True, False):
             params = [(name, p) for name, p in run if p.requires_grad == trainable]
             if params:
-                yield from split_into_dbuffers(params, dbuffer_size)
+                yield from split_into_dbuffers(params, dbuffer_size, apart)
 
 
 def _view_unit(alignment: int | None, master_dtype: torch.dtype, param_dtype: torch.dtype | None) -> int:

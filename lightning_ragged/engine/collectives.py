@@ -5,16 +5,22 @@ between ranks are here: the all-gather of the shards into the full buffer, the
 reduction of the flat gradient (all-reduce in place or reduce-scatter into this rank's
 segment, chosen by ``default_reduce_mode``), and the small all-reduces that follow
 (HSDP's replicas, the runtime's "which parameters got a gradient" flags). Issuing one
-returns a :class:`PendingCollective` that keeps its tensors alive until it is waited for.
+returns a :class:`PendingCollective` that keeps its tensors alive until it is waited for; on an
+accelerator the DBuffer issues it on a comm stream (``streams.py``) and waiting for it makes the
+compute stream wait that stream's event. HSDP's replica all-reduce follows the shard reduction:
+at once when that one is synchronous (on a device: ordered on the reduce stream), else at its wait.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
+
+from lightning_ragged.engine.streams import NO_STREAMS, CommStreams
 
 REDUCE_MODES = ("all_reduce", "reduce_scatter")
 
@@ -36,6 +42,9 @@ class CommStats:
     reduce_seconds: float = 0.0
     flag_syncs: int = 0
     """Small all-reduces of "which parameters got a gradient" (one per synchronized backward)."""
+    replica_all_reduces: int = 0
+    """HSDP: all-reduces of a reduced segment over the replicate process group (one per reduction)."""
+    replica_all_reduce_bytes: int = 0
 
     def reset(self) -> None:
         self.__init__()
@@ -53,11 +62,23 @@ class PendingCollective:
         self.work = work
         self.started = started
         self.keep_alive = keep_alive
+        self.then: Callable[[], None] | None = None
+        """A collective that must follow this one and was not issued yet (HSDP's replica all-reduce on CPU)."""
+        self._streams: CommStreams = NO_STREAMS
+        self._event: Any = None
+
+    def on_stream(self, streams: CommStreams, event: Any) -> None:
+        """It was issued on a comm stream: its wait makes compute wait ``event`` (``streams.py``, rule 2)."""
+        self._streams, self._event = streams, event
 
     def wait(self) -> float:
-        """Block until it finished; the seconds since it was started (its time in flight)."""
+        """Finish it (block the CPU, or order the compute stream after it); the seconds since it was started."""
         if self.work is not None:
             self.work.wait()
+        then, self.then = self.then, None
+        if then is not None:
+            then()
+        self._streams.wait(self._event)
         return time.perf_counter() - self.started
 
 
@@ -77,12 +98,14 @@ def all_gather(
 
 
 def reduce(
-    full: torch.Tensor, mode: str, group: dist.ProcessGroup | None, segment: slice, async_op: bool, started: float
+    full: torch.Tensor, mode: str, group: dist.ProcessGroup | None, segment: slice, async_op: bool, started: float,
+    replicate_group: dist.ProcessGroup | None = None, stats: CommStats | None = None,
 ) -> PendingCollective:
     """Sum ``full`` over ``group``: in place (``all_reduce``) or into this rank's ``segment`` (``reduce_scatter``).
 
     The pending collective keeps ``(full, own_segment)`` alive; ``own_segment`` holds this
-    rank's summed segment once it finished.
+    rank's summed segment once it finished, summed over ``replicate_group`` too (HSDP): right
+    after a synchronous reduction, else when it is waited for (``then``). Counted in ``stats``.
     """
     if mode == "all_reduce":
         work = dist.all_reduce(full, group=group, async_op=async_op)
@@ -90,7 +113,22 @@ def reduce(
     else:
         own_segment = torch.empty(segment.stop - segment.start, dtype=full.dtype, device=full.device)
         work = _reduce_scatter_single(own_segment, full, group=group, async_op=async_op)
-    return PendingCollective(work, started, full, own_segment)
+    pending = PendingCollective(work, started, full, own_segment)
+    if replicate_group is not None:
+        def replica() -> None:
+            all_reduce(own_segment, replicate_group)
+
+        if async_op:
+            pending.then = replica  # gloo orders nothing across process groups: once this one finished
+        else:
+            replica()  # ordered after it: on the same stream (device), or it finished (CPU)
+    if stats is not None:
+        stats.reduces += 1
+        stats.reduce_bytes += full.numel() * full.element_size()
+        if replicate_group is not None:
+            stats.replica_all_reduces += 1
+            stats.replica_all_reduce_bytes += own_segment.numel() * own_segment.element_size()
+    return pending
 
 
 def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None, async_op: bool = False) -> PendingCollective:

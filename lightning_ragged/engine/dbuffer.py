@@ -26,15 +26,16 @@ parameters' current flags, so ``requires_grad_`` between steps takes effect at t
 Gradients follow DDP: a parameter no rank used in a backward keeps ``grad is None``;
 ``no_sync`` micro-batches accumulate in the gradient buffer, in the reduce dtype.
 
-The collective calls themselves are in ``collectives.py``. Observers (``events.py``) in
-``observers`` hear of every all-gather, reduction and buffer (de)allocation.
+The collective calls themselves are in ``collectives.py``, issued on the comm streams of
+``streams.py`` (no-op on CPU), the all-gather's source from ``shard_cast.py``. Observers
+(``events.py``) in ``observers`` hear of every all-gather, reduction and buffer (de)allocation.
 """
 
 from __future__ import annotations
 
 import time
 import weakref
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 import torch.distributed as dist
@@ -43,8 +44,13 @@ from torch import nn
 from lightning_ragged.engine import collectives, storage
 from lightning_ragged.engine.collectives import REDUCE_MODES, CommStats, PendingCollective, default_reduce_mode
 from lightning_ragged.engine.events import DBufferObserver, EventKind, notify, observed
+from lightning_ragged.engine.shard_cast import ShardCast
+from lightning_ragged.engine.streams import NO_STREAMS, CommStreams
 from lightning_ragged.layout.spec import Layout
 from lightning_ragged.layout.ragged_shard import RaggedShard
+
+if TYPE_CHECKING:
+    from lightning_ragged.engine.fp8_gather import Fp8Gather
 
 class DBuffer:
     """Flat sharded/unsharded/gradient storage for one group of parameters."""
@@ -61,6 +67,7 @@ class DBuffer:
         reduce_mode: str | None = None,
         stats: CommStats | None = None,
         device: torch.device | None = None,
+        keep_cast_shard: bool = False,
     ) -> None:
         self.layout = layout
         self.process_group = process_group
@@ -75,6 +82,10 @@ class DBuffer:
         self.stats = stats if stats is not None else CommStats()
         self.observers: list[DBufferObserver] = []
         """Told of collectives and buffer (de)allocations (``events.py``); append to subscribe."""
+        self.streams: CommStreams = NO_STREAMS
+        """The comm streams its collectives run on (``streams.py``), the model's (``RaggedFSDPState``)."""
+        self.fp8_gather: Fp8Gather | None = None
+        """Set by ``fully_shard(fp8_all_gather=...)``: the all-gather carries fp8 bytes and tile scales."""
         first = params[0][1]
         self.device = first.device if device is None else torch.device(device)
         if self.device.type == "meta":
@@ -82,6 +93,7 @@ class DBuffer:
         self.master_dtype = first.dtype
         self.param_dtype = param_dtype or self.master_dtype
         self.reduce_dtype = reduce_dtype or self.param_dtype
+        self.shard_cast = ShardCast(self.param_dtype, keep_cast_shard)
         segment = layout.segment_size
         self.segment = slice(self.rank * segment, (self.rank + 1) * segment)
 
@@ -151,17 +163,24 @@ class DBuffer:
         """All-gather every rank's segment straight into the unsharded buffer (the parameters' storage)."""
         if self.is_unsharded:
             return
-        observed(self, EventKind.UNSHARD_ISSUED, "all_gather", self._issue_unshard, async_op)
+        observed(self, EventKind.UNSHARD_ISSUED, "all_gather", self._issue_on_stream, True, async_op)
         if not async_op:
             self.wait_unshard()
 
     def _issue_unshard(self, async_op: bool) -> None:
         started = time.perf_counter()
         storage.allocate(self.unsharded, self._unsharded_bytes)
+        if self.fp8_gather is not None and self._partial is None:  # fp8 on the wire, dequantized at wait
+            self._pending_unshard = self.fp8_gather.issue(
+                self._gather_target, self.sharded, self.process_group, async_op, started
+            )
+            self.stats.all_gathers += 1
+            self.stats.all_gather_bytes += self.fp8_gather.wire_bytes
+            return
         if self._partial is not None:  # kept by reshard_after_forward=int: gather inside the smaller group
             source, group, self._partial = self._partial, self._partial_group, None
         else:
-            source = self.sharded if self.param_dtype == self.master_dtype else self.sharded.to(self.param_dtype)
+            source = self.shard_cast.of(self.sharded)
             group = self.process_group
         pending = collectives.all_gather(self._gather_target, source, group, async_op, started)
         self.stats.all_gathers += 1
@@ -186,6 +205,12 @@ class DBuffer:
     def _free_unsharded(self) -> None:
         if storage.free(self.unsharded) and self.observers:
             notify(self, EventKind.RESHARDED)
+
+    def _issue_on_stream(self, gather: bool, async_op: bool) -> None:
+        """Issue the all-gather (or the reduction) on its comm stream; its wait makes compute wait for it."""
+        side = self.streams.all_gather if gather else self.streams.reduce
+        event = self.streams.issue(side, self._issue_unshard if gather else self._issue_reduce, async_op)
+        (self._pending_unshard if gather else self._pending_reduce).on_stream(self.streams, event)
 
     def set_partial_group(self, group: dist.ProcessGroup, size: int) -> None:
         """``reshard_after_forward=size``: after forward keep 1/size of the buffer, re-gathered inside ``group``."""
@@ -280,7 +305,7 @@ class DBuffer:
 
     def reduce_grad(self, async_op: bool = True) -> None:
         """Sum the flat gradient buffer over the shard group, in place (all-reduce) or into S (reduce-scatter)."""
-        observed(self, EventKind.REDUCE_ISSUED, self.reduce_mode, self._issue_reduce, async_op)
+        observed(self, EventKind.REDUCE_ISSUED, self.reduce_mode, self._issue_on_stream, False, async_op)
         if not async_op:
             self.finish_reduce()
 
@@ -291,10 +316,10 @@ class DBuffer:
             for name, view in self._unsharded_grad_views.items():
                 if name not in self._landed:
                     view.zero_()
-        pending = collectives.reduce(full, self.reduce_mode, self.process_group, self.segment, async_op, started)
-        self.stats.reduces += 1
-        self.stats.reduce_bytes += full.numel() * full.element_size()
-        self._pending_reduce = pending
+        self._pending_reduce = collectives.reduce(
+            full, self.reduce_mode, self.process_group, self.segment, async_op, started,
+            self.replicate_group, self.stats,
+        )
 
     @property
     def reduce_pending(self) -> bool:
@@ -311,11 +336,8 @@ class DBuffer:
         self._pending_reduce = None
         self.stats.reduce_seconds += pending.wait()
         own_segment = pending.keep_alive[1]
-        divisor = self.world_size
-        if self.replicate_group is not None:
-            collectives.all_reduce(own_segment, self.replicate_group)
-            divisor *= dist.get_world_size(self.replicate_group)
-        self._accumulate_sharded_grad(own_segment, 1.0 / divisor)
+        replicas = 1 if self.replicate_group is None else dist.get_world_size(self.replicate_group)
+        self._accumulate_sharded_grad(own_segment, 1.0 / (self.world_size * replicas))
         self.free_unsharded_grad()
 
     def _accumulate_sharded_grad(self, own_segment: torch.Tensor, scale: float) -> None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence, Type, Union
+from typing import Callable, Hashable, Iterable, Sequence, Type, Union
 
 import torch
 from torch import nn
@@ -244,9 +244,19 @@ def plan_groups(
 
 
 def split_into_dbuffers(
-    params: list[tuple[str, nn.Parameter]], dbuffer_size: int
+    params: list[tuple[str, nn.Parameter]], dbuffer_size: int, apart: Callable[[nn.Parameter], Hashable] | None = None
 ) -> list[list[tuple[str, nn.Parameter]]]:
-    """Consecutive runs of same-dtype parameters whose bytes fit in ``dbuffer_size``."""
+    """Consecutive runs of same-dtype parameters whose bytes fit in ``dbuffer_size``.
+
+    ``apart`` (a split key): parameters with different keys never share a DBuffer; each key's
+    parameters are split in their order, keys in order of first appearance (the fp8
+    all-gather's weights get DBuffers of their own).
+    """
+    if apart is not None:
+        by_key: dict[Hashable, list[tuple[str, nn.Parameter]]] = {}
+        for name, param in params:
+            by_key.setdefault(apart(param), []).append((name, param))
+        return [dbuffer for same in by_key.values() for dbuffer in split_into_dbuffers(same, dbuffer_size)]
     dbuffers: list[list[tuple[str, nn.Parameter]]] = []
     current: list[tuple[str, nn.Parameter]] = []
     current_bytes = 0

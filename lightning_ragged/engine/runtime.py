@@ -20,6 +20,11 @@ end of backward    groups without a post-backward (inputs needing no gradient, t
                    finished; one small all-reduce of "which parameters got a gradient" keeps
                    ``grad is None`` for parameters no rank used (DDP's semantics)
 
+On an accelerator the all-gathers run on one all-gather stream and the reductions on one reduce
+stream per model (``streams.py``, ordering rules there; on CPU the same code with no-op streams):
+a group's use waits for its all-gather's event, and the end of backward finishes every reduction,
+which makes the compute stream wait for each reduction's event before the optimizer step.
+
 Collectives must be issued in the same order on every rank: as with FSDP2 and DDP, every
 rank runs the same modules (a parameter may be unused on some ranks; a whole group may not).
 """
@@ -36,6 +41,7 @@ from lightning_ragged.engine import collectives
 from lightning_ragged.engine.collectives import CommStats
 from lightning_ragged.engine.dbuffer import DBuffer
 from lightning_ragged.engine.shard_group import ShardGroup
+from lightning_ragged.engine.streams import CommStreams, device_streams
 
 
 class RaggedFSDPState:
@@ -67,6 +73,10 @@ class RaggedFSDPState:
         self._buffers_need_sync = True
         """DDP's ``require_forward_param_sync``: the first forward, and one after a synchronized training forward."""
         self._end_of_backward_hook = eager(self._end_of_backward)
+        first = next(self.dbuffers(), None)
+        self.comm_streams: CommStreams = device_streams(first.device if first is not None else None)
+        """All-gather and reduce streams of the model's device (``streams.py``)."""
+        self.set_comm_streams(self.comm_streams)
         self._pre_backward_hooks = {id(g): eager(lambda _grads, g=g: self.pre_backward(g)) for g in groups}
 
     @property
@@ -90,6 +100,15 @@ class RaggedFSDPState:
     def dbuffers(self) -> Iterator[DBuffer]:
         for group in self.all_groups:
             yield from group.dbuffers
+
+    def set_comm_streams(self, streams: CommStreams) -> None:
+        """Run every DBuffer's collectives on ``streams`` (default: the device's, no-op on CPU; tests inject fakes).
+
+        Call it between steps, with no collective in flight.
+        """
+        self.comm_streams = streams
+        for dbuffer in self.dbuffers():
+            dbuffer.streams = streams
 
     # ------------------------------------------------------------------- step
     def root_pre_forward(self) -> None:

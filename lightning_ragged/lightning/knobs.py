@@ -31,6 +31,7 @@ from torch import nn
 
 from lightning_ragged.engine.collectives import REDUCE_MODES
 from lightning_ragged.engine.api import fully_shard
+from lightning_ragged.engine.fp8_gather import check_fp8_all_gather
 from lightning_ragged.layout.granularity import POLICIES, check_block_rows, check_policy
 from lightning_ragged.engine.grouping import _check_dbuffer_size
 from lightning_ragged.layout.planner import ALGORITHMS
@@ -324,6 +325,16 @@ def _blocks_per_group(value: Any) -> None:
                 ValueError if _is_int(value) else TypeError)
 
 
+def _fp8_all_gather(value: Any) -> None:
+    """A ``Float8AllGather`` (its constructor already refused a bad tile or dtype) or None."""
+    try:
+        check_fp8_all_gather(value)
+    except TypeError:
+        _refuse(f"must be a lightning_ragged.Float8AllGather or None, got {_type_name(value)}",
+                "pass e.g. fp8_all_gather=Float8AllGather(tile=128) (from lightning_ragged import Float8AllGather)",
+                TypeError)
+
+
 def _planning(value: Any) -> None:
     if value is not None:
         _choice("planning", value, ("auto",), "auto")
@@ -343,6 +354,8 @@ ENGINE_KWARG_CHECKS: dict[str, Callable[[Any], None]] = {
     "alignment": _alignment,
     "keep_last_unsharded": _flag("keep_last_unsharded"),
     "max_inflight_all_gathers": _max_inflight_all_gathers,
+    "keep_cast_shard": _flag("keep_cast_shard"),
+    "fp8_all_gather": _fp8_all_gather,
 }
 """Value checks for ``**kwargs`` forwarded to ``fully_shard`` (others are only checked by name)."""
 

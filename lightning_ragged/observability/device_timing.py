@@ -1,36 +1,41 @@
 """Device-true collective times: timing events recorded around each collective, read lazily.
 
-On CUDA the training thread only enqueues: a collective's "wait" inserts a stream dependency
-and returns at once, so wall-clock times of the calls say nothing about the device. The
-probe (``probes.py``) hands every DBuffer event of a CUDA module to a
-:class:`CollectiveTimer`, which records a timing event on the current stream at each one:
+On an accelerator the training thread only enqueues: a collective's "wait" inserts a stream
+dependency and returns at once, so wall-clock times of the calls say nothing about the device.
+The probe (``probes.py``) hands every DBuffer event of a device module to a
+:class:`CollectiveTimer`, which records timing events (``torch.Event``, device-generic):
 
-* ``S`` right after a collective is issued: the point the collective may start (the
-  backend's stream waits for the work enqueued before the issue);
-* ``E`` right after it is waited for: the point its consumer may use the result;
-* ``W`` the latest event recorded before that wait (any DBuffer event: a reshard, a
+* ``S`` on the compute stream right after a collective is issued: the point the collective
+  may start (its comm stream waited for the compute enqueued before the issue, ``streams.py``);
+* ``D`` on the comm stream the collective runs on, right after the issue: its completion
+  (the engine's comm streams; none when it runs on no stream of ours);
+* ``E`` on the compute stream right after it is waited for: the point its consumer may use it;
+* ``W`` the latest compute event recorded before that wait (any DBuffer event: a reshard, a
   reduction issued, another wait; at least ``S``): the compute enqueued before the wait.
 
-In flight is ``E - S`` (issue to completion, as on CPU); the stream stalled on it for
-``E - W`` (an upper bound: compute enqueued after the last DBuffer event and before the
-wait counts as stall; exact in the engine's forward and backward, where every wait follows
-a reshard, a reduction or another wait). Nothing is read in the hot path:
+In flight is ``D - S`` (``E - S`` without ``D``; issue to completion, as on CPU); compute
+stalled on it for ``E - W`` (an upper bound: compute enqueued after the last DBuffer event
+and before the wait counts as stall; exact in the engine's forward and backward, where every
+wait follows a reshard, a reduction or another wait). Nothing is read in the hot path:
 :meth:`CollectiveTimer.collect` (at ``EngineMetrics.compute``) reads only the pairs whose
-``E`` has completed (``query()``, never a synchronize) and leaves the rest for later.
+events have completed (``query()``, never a synchronize) and leaves the rest for later.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from typing import Callable, Hashable, Protocol
+from typing import Any, Callable, Hashable, Protocol
 
 import torch
 
+from lightning_ragged.engine.streams import has_streams
+
 
 class TimingEvent(Protocol):
-    """What :class:`torch.cuda.Event` offers (a test can hand in fakes with known times)."""
+    """What :class:`torch.Event` offers (a test can hand in fakes with known times)."""
 
-    def record(self) -> None: ...
+    def record(self, stream: Any = None) -> None:
+        """On ``stream`` (default: the current stream)."""
 
     def query(self) -> bool: ...
 
@@ -42,10 +47,10 @@ EventFactory = Callable[[], TimingEvent]
 
 
 def device_event_factory(device: torch.device | None) -> EventFactory | None:
-    """Timing events of ``device``'s current stream (CUDA), or None (wall-clock times are device times)."""
-    if device is None or device.type != "cuda":
+    """Timing events of an accelerator ``device`` (CUDA first), or None on CPU (wall-clock times are device times)."""
+    if not has_streams(device):
         return None
-    return lambda: torch.cuda.Event(enable_timing=True)
+    return lambda: torch.Event(device=device, enable_timing=True)
 
 
 class CollectiveTimer:
@@ -57,8 +62,8 @@ class CollectiveTimer:
         self.reduce_seconds = 0.0
         self.blocked_seconds = 0.0
         self._last: TimingEvent | None = None
-        self._issued: dict[Hashable, TimingEvent] = {}
-        self._waited: deque[tuple[bool, TimingEvent, TimingEvent, TimingEvent]] = deque()
+        self._issued: dict[Hashable, tuple[TimingEvent, TimingEvent | None]] = {}
+        self._waited: deque[tuple[bool, TimingEvent, TimingEvent, TimingEvent, TimingEvent]] = deque()
 
     def _record(self) -> TimingEvent:
         event = self.factory()
@@ -70,19 +75,26 @@ class CollectiveTimer:
         """A DBuffer event that is not a collective: the compute enqueued so far."""
         self._record()
 
-    def issued(self, key: Hashable) -> None:
-        self._issued[key] = self._record()
+    def issued(self, key: Hashable, stream: Any = None) -> None:
+        """A collective was issued (on comm ``stream``, if it runs on one)."""
+        done = None
+        if stream is not None:
+            done = self.factory()
+            done.record(stream)
+        self._issued[key] = (self._record(), done)
 
     def failed(self, key: Hashable) -> None:
         """The issue or the wait raised: nothing to time."""
         self._issued.pop(key, None)
 
     def waited(self, key: Hashable, gather: bool) -> None:
-        start = self._issued.pop(key, None)
+        issued = self._issued.pop(key, None)
         before = self._last
         end = self._record()
-        if start is not None:
-            self._waited.append((gather, start, before if before is not None else start, end))
+        if issued is not None:
+            start, done = issued
+            before = before if before is not None else start
+            self._waited.append((gather, start, before, end, done if done is not None else end))
 
     @property
     def pending(self) -> int:
@@ -92,11 +104,11 @@ class CollectiveTimer:
     def collect(self) -> None:
         """Add the times of every waited-for collective whose events completed (no synchronize)."""
         while self._waited:
-            gather, start, before, end = self._waited[0]
-            if not (end.query() and start.query() and before.query()):
+            gather, start, before, end, done = self._waited[0]
+            if not (end.query() and start.query() and before.query() and done.query()):
                 return  # later ones were recorded after it on the stream
             self._waited.popleft()
-            in_flight = max(start.elapsed_time(end), 0.0) / 1000
+            in_flight = max(start.elapsed_time(done), 0.0) / 1000
             if gather:
                 self.all_gather_seconds += in_flight
             else:

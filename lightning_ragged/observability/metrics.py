@@ -23,10 +23,12 @@ Keys (prefix ``ragged_fsdp/``; "per step" values are means over the logging wind
 ``reduces``                        gradient reductions per step (count)
 ``reduce_bytes``                   bytes reduced per step per rank (flat gradient buffer sizes)
 ``reduce_seconds``                 reduction time in flight per step (CUDA: device time)
+``replica_all_reduces``            HSDP: all-reduces of reduced segments over the replicas per step (count)
+``replica_all_reduce_bytes``       HSDP: bytes of those per step per rank (segment sizes)
 ``comm_blocked_seconds``           time the training thread waited in (or issued) collectives (CUDA: the
                                    compute stream's stall on them, ``device_timing.py``)
 ``comm_hidden_ratio``              ``1 - blocked / in flight``: share of communication behind compute
-``engine_copy_bytes``              bytes the engine copied outside collectives (mixed-precision casts)
+``engine_copy_bytes``              bytes the engine copied outside collectives (casts, fp8 (de)quantization)
 ``copy_bytes``                     bytes of every copy-like op in a sampled step (``count_copies_every_n_steps``)
 ``dbuffer_sharded_bytes``          this rank's parameter segments (persistent)
 ``dbuffer_sharded_grad_bytes``     this rank's gradient segments (persistent once allocated)
@@ -72,6 +74,8 @@ _COUNTERS = (
     "reduce_seconds",
     "comm_blocked_seconds",
     "engine_copy_bytes",
+    "replica_all_reduces",
+    "replica_all_reduce_bytes",
 )
 
 
@@ -117,7 +121,7 @@ class EngineMetrics:
 
     # ---------------------------------------------------------- per step
     def _totals(self) -> tuple[float, ...]:
-        a = g = s = r = rb = rs = blocked = copies = 0.0
+        a = g = s = r = rb = rs = blocked = copies = ra = rab = 0.0
         for p in self.probes:
             stats = p.state.stats
             a += stats.all_gathers
@@ -129,7 +133,9 @@ class EngineMetrics:
             rs += stats.reduce_seconds if timer is None else timer.reduce_seconds
             blocked += p.blocked_seconds
             copies += p.engine_copy_bytes
-        return a, g, s, r, rb, rs, blocked, copies
+            ra += stats.replica_all_reduces
+            rab += stats.replica_all_reduce_bytes
+        return a, g, s, r, rb, rs, blocked, copies, ra, rab
 
     def _fold(self, keys: Iterable[str] = _COUNTERS) -> None:
         """Add the counters' growth since the last fold to the window."""

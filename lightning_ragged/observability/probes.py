@@ -41,7 +41,8 @@ class DBufferInfo:
     """What a probe knows about one DBuffer: its group, its index in the group, its sizes."""
 
     __slots__ = (
-        "dbuffer", "group", "index", "label", "unsharded_bytes", "grad_buffer_bytes", "cast_bytes", "reduce_cast_bytes"
+        "dbuffer", "group", "index", "label", "unsharded_bytes", "grad_buffer_bytes", "cast_bytes", "reduce_cast_bytes",
+        "casts_seen", "fp8_copy_bytes",
     )
 
     def __init__(self, dbuffer: DBuffer, group: str, index: int, dbuffers_in_group: int) -> None:
@@ -52,6 +53,11 @@ class DBufferInfo:
         element = torch.empty((), dtype=dbuffer.param_dtype).element_size()
         self.unsharded_bytes = dbuffer.layout.buffer_numel * element
         self.cast_bytes = dbuffer.layout.segment_size * element if dbuffer.param_dtype != dbuffer.master_dtype else 0
+        """Bytes of one cast of the shard to the compute dtype (``keep_cast_shard`` makes fewer casts than gathers)."""
+        self.casts_seen = dbuffer.shard_cast.casts
+        fp8 = dbuffer.fp8_gather
+        self.fp8_copy_bytes = 0 if fp8 is None else fp8.rank_bytes + self.unsharded_bytes
+        """An fp8 gather writes its quantized chunk and dequantizes into the full buffer (no shard cast)."""
         grad_element = torch.empty((), dtype=dbuffer.unsharded_grad.dtype).element_size()
         self.grad_buffer_bytes = dbuffer.layout.buffer_numel * grad_element
         """The full gradient buffer is in the reduce dtype when it differs (gradients land there by a cast)."""
@@ -144,7 +150,8 @@ class EngineProbe:
             self._next_sequence(info.dbuffer, "all_gather")
             self.blocked_all_gather_seconds += event.seconds
             if not failed:
-                self.engine_copy_bytes += info.cast_bytes
+                casts, info.casts_seen = info.dbuffer.shard_cast.casts - info.casts_seen, info.dbuffer.shard_cast.casts
+                self.engine_copy_bytes += casts * info.cast_bytes + info.fp8_copy_bytes
                 self.unsharded_bytes += info.unsharded_bytes
                 if self.unsharded_bytes > self.unsharded_peak_bytes:
                     self.unsharded_peak_bytes = self.unsharded_bytes
@@ -179,7 +186,7 @@ class EngineProbe:
             if event.collective is not None:
                 self.timer.failed(key)
         elif kind is EventKind.UNSHARD_ISSUED or kind is EventKind.REDUCE_ISSUED:
-            self.timer.issued(key)
+            self.timer.issued(key, info.dbuffer.streams.timing_stream(gather))
         elif gather or kind is EventKind.REDUCE_WAITED:
             self.timer.waited(key, gather)
         else:

@@ -1,0 +1,69 @@
+"""This rank's shard in the compute dtype, the source of its all-gather: cast each time, or kept.
+
+With a ``param_dtype`` other than the master dtype every all-gather sends a cast of the shard,
+and a group is gathered twice a step (forward, backward re-gather). ``fully_shard(...,
+keep_cast_shard=True)`` keeps the forward's cast for the backward re-gather, for no_sync
+micro-batches and for evaluation forwards, as long as the shard is unchanged: one cast per
+DBuffer per optimizer step instead of two per micro-batch, for ``S x param_dtype`` bytes per
+DBuffer held from the first unshard to the next optimizer step (half the master shard's bytes in bf16).
+
+"Unchanged" is checked twice over. The shard's version counter (views share their base's)
+sees every in-place write autograd sees: non-fused optimizers, ``copy_``, state-dict and
+checkpoint loads. Fused optimizer kernels (``torch.optim.AdamW(fused=True)``) do not bump it,
+so any ``torch.optim.Optimizer``'s step also drops every kept cast, before it runs (its memory
+is free for the step) and after it (a step whose closure ran forward, as Lightning's does).
+Writes through ``param.data`` bypass both: do not write shards that way.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+_KEPT: "weakref.WeakSet[ShardCast]" = weakref.WeakSet()
+_hooks: list[Any] = []
+
+
+class ShardCast:
+    """The all-gather source of one DBuffer's shard: itself, a fresh cast, or the kept one."""
+
+    def __init__(self, dtype: torch.dtype, keep: bool) -> None:
+        self.dtype = dtype
+        self.keep = keep
+        self.casts = 0
+        """Casts made so far (the all-gathers that reused the kept one made none)."""
+        self._kept: torch.Tensor | None = None
+        self._version = -1
+        if keep:
+            _KEPT.add(self)
+            if not _hooks:
+                _hooks.append(register_optimizer_step_pre_hook(_drop_all))
+                _hooks.append(register_optimizer_step_post_hook(_drop_all))
+
+    def of(self, sharded: torch.Tensor) -> torch.Tensor:
+        """``sharded`` in the compute dtype (no copy when it already is one)."""
+        if sharded.dtype == self.dtype:
+            return sharded
+        if self._kept is not None and self._version == sharded._version:
+            return self._kept
+        cast = sharded.to(self.dtype)
+        self.casts += 1
+        if self.keep:
+            self._kept, self._version = cast, sharded._version
+        return cast
+
+    @property
+    def kept_bytes(self) -> int:
+        return 0 if self._kept is None else self._kept.numel() * self._kept.element_size()
+
+    def drop(self) -> None:
+        self._kept = None
+
+
+def _drop_all(*_: Any) -> None:
+    """An optimizer step (before and after): every kept cast may be stale (fused kernels bump no version)."""
+    for cast in list(_KEPT):
+        cast.drop()

@@ -25,15 +25,20 @@ runs, doing nothing; tests inject streams that log each call. The ordering rules
    allocation happens inside a later issue, after that stream waited for compute (rule 1): the reuse is
    ordered after every compute kernel enqueued before the free, i.e. after the buffer's last use. A
    buffer allocated on compute and read by a side stream (the flat gradient buffer, a kept 1/n of the
-   full buffer) is freed only after compute waited the side stream's event (rule 2). FSDP2 also avoids
-   ``record_stream``: it defers reuse to the allocator's event polling and makes memory nondeterministic.
+   full buffer) is freed only after compute waited the side stream's event (rule 2). (``record_stream``
+   would instead defer each block's reuse to the allocator polling events at free time, which makes the
+   memory in use depend on timing; FSDP2 avoids it too, by holding references and events.)
 4. **Synchronous on the side stream**: on a device the collective is issued with ``async_op=False``
    inside the side stream (``ordered``): ProcessGroupNCCL launches it on the current stream (torch >= 2.8;
    before, on its own stream joined back by the ``work.wait()`` c10d calls, which orders streams and
    never blocks the CPU), so the side stream's event covers it and HSDP's replica all-reduce issued next
    is ordered after the shard reduction. On CPU the backend's own ``async_op`` is kept and ``Work.wait()``
    blocks the CPU; gloo orders nothing across process groups, so the replica all-reduce is issued when
-   the shard reduction is waited for.
+   the shard reduction is waited for. ``ordered`` follows the device, not the backend: gloo on CUDA
+   tensors stays correctly ordered but blocks the CPU in each collective, so nothing overlaps there.
+5. **HSDP**: the replica all-reduce is chained on the reduce stream right after the shard reduction,
+   so the next group's reduction queues behind it (a slow inter-node all-reduce delays it); a third
+   stream would overlap them but must then keep the reduced segment from being reused early.
 """
 
 from __future__ import annotations
@@ -128,7 +133,8 @@ def device_streams(device: torch.device | None) -> CommStreams:
     if not has_streams(device):
         return NO_STREAMS
     device = torch.device(device)
+    # high priority (as FSDP2's): a collective ready to launch is not queued behind compute kernels
     return CommStreams(
-        torch.Stream(device=device), torch.Stream(device=device),
+        torch.Stream(device=device, priority=-1), torch.Stream(device=device, priority=-1),
         lambda: torch.accelerator.current_stream(device), ordered=True,
     )

@@ -108,6 +108,10 @@ def fully_shard(
     keeps the plan. ``fp8_all_gather=Float8AllGather(tile=128)``: ``nn.Linear`` weights are all-gathered
     as fp8 with one scale per tile, computed on the rank that holds the tile (their DBuffers are
     their own, cut only between tile rows), and dequantized into the compute dtype; see ``fp8_gather.py``.
+    On a single rank (a ``process_group`` of one rank and no ``replicate_group``, e.g. ``devices=1``)
+    nothing is communicated or copied: the full parameters are the shards themselves (with a
+    ``param_dtype``, their cast), the gradient buffer becomes the sharded gradient, and
+    ``get_state(m).stats`` counts no collective; fp8 all-gathers and HSDP keep their paths.
     """
     existing = module.__dict__.get("_ragged_fsdp_state")
     if existing is not None:

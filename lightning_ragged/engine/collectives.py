@@ -35,13 +35,15 @@ class CommStats:
     """Collectives issued by the engine: counts, bytes on the wire per rank, and time."""
 
     all_gathers: int = 0
+    """Collectives only: 0 on a single rank (no HSDP): the full buffer is the shard or its cast (``dbuffer.py``)."""
     all_gather_bytes: int = 0
     all_gather_seconds: float = 0.0
     reduces: int = 0
+    """Reductions over the shard process group (0 on a single rank without HSDP)."""
     reduce_bytes: int = 0
     reduce_seconds: float = 0.0
     flag_syncs: int = 0
-    """Small all-reduces of "which parameters got a gradient" (one per synchronized backward)."""
+    """Small all-reduces of "which parameters got a gradient" (one per synchronized backward; 0 on a single rank)."""
     replica_all_reduces: int = 0
     """HSDP: all-reduces of a reduced segment over the replicate process group (one per reduction)."""
     replica_all_reduce_bytes: int = 0

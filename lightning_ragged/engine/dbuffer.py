@@ -26,6 +26,12 @@ parameters' current flags, so ``requires_grad_`` between steps takes effect at t
 Gradients follow DDP: a parameter no rank used in a backward keeps ``grad is None``;
 ``no_sync`` micro-batches accumulate in the gradient buffer, in the reduce dtype.
 
+**A single rank** (``single_rank``: a shard group of one, no HSDP; HSDP keeps the full path):
+no collective, no copy. Without a cast or fp8 the full buffer *is* the segment (``full_is_shard``):
+unshard/reshard only swap the module's views (no event: no memory changes). With a cast, the cast
+written into the full buffer is the "gather" (its events; ``keep_cast_shard`` keeps nothing). The
+gradient buffer, a tensor of its own each backward, becomes the sharded gradient (``sharded_grad.py``).
+
 The collective calls themselves are in ``collectives.py``, issued on the comm streams of
 ``streams.py`` (no-op on CPU), the all-gather's source from ``shard_cast.py``. Observers
 (``events.py``) in ``observers`` hear of every all-gather, reduction and buffer (de)allocation.
@@ -34,7 +40,6 @@ The collective calls themselves are in ``collectives.py``, issued on the comm st
 from __future__ import annotations
 
 import time
-import weakref
 from typing import TYPE_CHECKING, Sequence
 
 import torch
@@ -45,6 +50,7 @@ from lightning_ragged.engine import collectives, storage
 from lightning_ragged.engine.collectives import REDUCE_MODES, CommStats, PendingCollective, default_reduce_mode
 from lightning_ragged.engine.events import DBufferObserver, EventKind, notify, observed
 from lightning_ragged.engine.shard_cast import ShardCast
+from lightning_ragged.engine.sharded_grad import ShardedGrad
 from lightning_ragged.engine.streams import NO_STREAMS, CommStreams
 from lightning_ragged.layout.spec import Layout
 from lightning_ragged.layout.ragged_shard import RaggedShard
@@ -74,6 +80,7 @@ class DBuffer:
         self.replicate_group = replicate_group
         self.rank = dist.get_rank(process_group)
         self.world_size = dist.get_world_size(process_group)
+        self.single_rank = self.world_size == 1 and replicate_group is None  # no peer: nothing gathered or reduced
         if layout.world_size != self.world_size:
             raise ValueError(f"layout planned for {layout.world_size} ranks but the shard group has {self.world_size}")
         self.reduce_mode = reduce_mode or default_reduce_mode(process_group)
@@ -84,8 +91,7 @@ class DBuffer:
         """Told of collectives and buffer (de)allocations (``events.py``); append to subscribe."""
         self.streams: CommStreams = NO_STREAMS
         """The comm streams its collectives run on (``streams.py``), the model's (``RaggedFSDPState``)."""
-        self.fp8_gather: Fp8Gather | None = None
-        """Set by ``fully_shard(fp8_all_gather=...)``: the all-gather carries fp8 bytes and tile scales."""
+        self._fp8_gather: Fp8Gather | None = None
         first = params[0][1]
         self.device = first.device if device is None else torch.device(device)
         if self.device.type == "meta":
@@ -98,11 +104,9 @@ class DBuffer:
         self.segment = slice(self.rank * segment, (self.rank + 1) * segment)
 
         self.sharded = torch.zeros(segment, dtype=self.master_dtype, device=self.device)
-        self.unsharded = torch.empty(self.world_size * segment, dtype=self.param_dtype, device=self.device)
         self.unsharded_grad = torch.empty(self.world_size * segment, dtype=self.reduce_dtype, device=self.device)
-        self._sharded_grad: weakref.ref[torch.Tensor] | None = None
-        self._unsharded_bytes = self.unsharded.untyped_storage().nbytes()
         self._grad_bytes = self.unsharded_grad.untyped_storage().nbytes()
+        self._shapes = {name: param.shape for name, param in params}
         self._land_by_copy = self.reduce_dtype != self.param_dtype
         """Gradients land in the buffer by a cast-copy (``param.grad`` cannot be a view of another dtype)."""
         self._landed: set[str] = set()
@@ -110,22 +114,14 @@ class DBuffer:
         self._padding = storage.padding(layout, self.world_size * segment)
         self._awaiting: set[str] = set()
         self._used: set[str] = set()
-        self._grad_was_none: set[str] = set()
         self._partial: torch.Tensor | None = None
         self._partial_group: dist.ProcessGroup | None = None
         self._partial_size = 1
-        # The all-gather writes through an alias with its own version counter: an async
-        # gloo collective bumps its output's version on a background thread, which would
-        # invalidate the parameter views autograd saved in forward.
-        self._gather_target = torch.empty(0, dtype=self.param_dtype, device=self.device).set_(
-            self.unsharded.untyped_storage(), 0, self.unsharded.shape
-        )
+        self._gathered = False  # full_is_shard only: the module computes with the full views now
 
         pieces = {name: (start, end, offset) for name, start, end, offset in layout.local_pieces(self.rank)}
         self.sharded_params: dict[str, nn.Parameter] = {}
-        self.unsharded_params: dict[str, nn.Parameter] = {}
-        self._unsharded_grad_views: dict[str, torch.Tensor] = {}
-        self._sharded_grad_slices: dict[str, slice] = {}
+        slices: dict[str, slice] = {}
         with torch.no_grad():
             for name, param in params:
                 start, end, offset = pieces.get(name, (0, 0, 0))
@@ -137,22 +133,54 @@ class DBuffer:
                     name, param.shape, layout.specs[name].granularity, layout.ranges(name), self.rank, process_group
                 )
                 self.sharded_params[name] = sharded_param
-                self._sharded_grad_slices[name] = local
-                begin = layout.offsets[name]
-                full = slice(begin, begin + param.numel())
-                self.unsharded_params[name] = nn.Parameter(
-                    self.unsharded[full].view(param.shape), requires_grad=param.requires_grad
-                )
-                self._unsharded_grad_views[name] = self.unsharded_grad[full].view(param.shape)
-        storage.free(self.unsharded)
+                slices[name] = local
+        self._grad = ShardedGrad(slices, segment, self.master_dtype, self.device)
+        self._build_full(alias=self.single_rank and self.param_dtype == self.master_dtype)
+        self._view_grad_buffer()
         storage.free(self.unsharded_grad)
+        self._no_grad_buffer = self.unsharded_grad  # single rank: once its buffer became the sharded gradient
         self._pending_unshard: PendingCollective | None = None
         self._pending_reduce: PendingCollective | None = None
+
+    def _build_full(self, alias: bool) -> None:
+        """The full buffer and the parameters' original-shape views into it; ``alias``: it is the segment itself."""
+        self.full_is_shard = alias
+        """Single rank, no cast, no fp8: the full buffer is ``sharded`` (nothing gathered, allocated or freed)."""
+        self.unsharded = self.sharded if alias else torch.empty(
+            self.full_numel, dtype=self.param_dtype, device=self.device)
+        self._unsharded_bytes = self.unsharded.untyped_storage().nbytes()
+        # The all-gather writes through an alias with its own version counter: an async
+        # gloo collective bumps its output's version on a background thread, which would
+        # invalidate the parameter views autograd saved in forward.
+        self._gather_target = torch.empty(0, dtype=self.param_dtype, device=self.device).set_(
+            self.unsharded.untyped_storage(), 0, self.unsharded.shape
+        )
+        self.unsharded_params: dict[str, nn.Parameter] = {
+            name: nn.Parameter(self.full_view(self.unsharded, name), requires_grad=shard.requires_grad)
+            for name, shard in self.sharded_params.items()
+        }
+        if not alias:
+            storage.free(self.unsharded)
+
+    def _view_grad_buffer(self) -> None:
+        self._unsharded_grad_views = {name: self.full_view(self.unsharded_grad, name) for name in self._shapes}
+
+    @property
+    def fp8_gather(self) -> Fp8Gather | None:
+        """Set by ``fully_shard(fp8_all_gather=...)`` before first use: the all-gather carries fp8 bytes and tile
+        scales (on a single rank too, into a full buffer apart from the shard)."""
+        return self._fp8_gather
+
+    @fp8_gather.setter
+    def fp8_gather(self, value: Fp8Gather | None) -> None:
+        self._fp8_gather = value
+        if value is not None and self.full_is_shard:
+            self._build_full(alias=False)
 
     # ----------------------------------------------------------------- unshard
     @property
     def is_unsharded(self) -> bool:
-        return storage.is_allocated(self.unsharded)
+        return self._gathered if self.full_is_shard else storage.is_allocated(self.unsharded)
 
     @property
     def unshard_pending(self) -> bool:
@@ -162,6 +190,9 @@ class DBuffer:
     def unshard(self, async_op: bool = False) -> None:
         """All-gather every rank's segment straight into the unsharded buffer (the parameters' storage)."""
         if self.is_unsharded:
+            return
+        if self.full_is_shard:  # the full views alias the shards: nothing to gather
+            self._gathered = True
             return
         observed(self, EventKind.UNSHARD_ISSUED, "all_gather", self._issue_on_stream, True, async_op)
         if not async_op:
@@ -176,6 +207,11 @@ class DBuffer:
             )
             self.stats.all_gathers += 1
             self.stats.all_gather_bytes += self.fp8_gather.wire_bytes
+            return
+        if self.single_rank:  # with a cast (else ``full_is_shard``): the cast is the gather, no collective
+            self._gather_target.copy_(self.sharded)
+            self.shard_cast.casts += 1
+            self._pending_unshard = PendingCollective(None, started, self.sharded)
             return
         if self._partial is not None:  # kept by reshard_after_forward=int: gather inside the smaller group
             source, group, self._partial = self._partial, self._partial_group, None
@@ -203,7 +239,9 @@ class DBuffer:
         self._free_unsharded()
 
     def _free_unsharded(self) -> None:
-        if storage.free(self.unsharded) and self.observers:
+        if self.full_is_shard:
+            self._gathered = False
+        elif storage.free(self.unsharded) and self.observers:
             notify(self, EventKind.RESHARDED)
 
     def _issue_on_stream(self, gather: bool, async_op: bool) -> None:
@@ -260,7 +298,11 @@ class DBuffer:
             observed(self, EventKind.GRAD_BUFFER_ALLOCATED, None, self._allocate_grad)
 
     def _allocate_grad(self) -> None:
-        storage.allocate(self.unsharded_grad, self._grad_bytes)
+        if self.single_rank:  # a tensor of its own each backward: the reduction hands it over (sharded_grad.py)
+            self.unsharded_grad = torch.empty(self.full_numel, dtype=self.reduce_dtype, device=self.device)
+            self._view_grad_buffer()
+        else:
+            storage.allocate(self.unsharded_grad, self._grad_bytes)
         if self._land_by_copy:  # gradients will write their views: zero only the padding between them
             for gap in self._padding:
                 self.unsharded_grad[gap].zero_()
@@ -282,21 +324,19 @@ class DBuffer:
         ``param.grad`` pointing at the view, autograd has already accumulated it there.
         """
         param = self.unsharded_params[name]
-        view = self._unsharded_grad_views[name]
-        if self._land_by_copy:
-            self.ensure_grad_buffer()
-            if name in self._landed:
-                view.add_(param.grad)
+        arrived = param.grad
+        if self._land_by_copy or arrived is not self._unsharded_grad_views.get(name):
+            self.ensure_grad_buffer()  # may make new views (single rank)
+            view = self._unsharded_grad_views[name]
+            if not self._land_by_copy:
+                if arrived is not None and arrived is not view:
+                    view.add_(arrived)
+            elif name in self._landed:
+                view.add_(arrived)
             else:
-                view.copy_(param.grad)
+                view.copy_(arrived)
                 self._landed.add(name)
-            param.grad = None
-        elif param.grad is not view:
-            stray = param.grad
-            self.ensure_grad_buffer()
-            if stray is not None and stray is not view:
-                view.add_(stray)
-            param.grad = view
+            param.grad = None if self._land_by_copy else view
         self._used.add(name)
         if name not in self._awaiting:
             return False
@@ -316,6 +356,9 @@ class DBuffer:
             for name, view in self._unsharded_grad_views.items():
                 if name not in self._landed:
                     view.zero_()
+        if self.single_rank:  # summed already: the buffer is this rank's whole segment
+            self._pending_reduce = PendingCollective(None, started, full, full)
+            return
         self._pending_reduce = collectives.reduce(
             full, self.reduce_mode, self.process_group, self.segment, async_op, started,
             self.replicate_group, self.stats,
@@ -337,37 +380,9 @@ class DBuffer:
         self.stats.reduce_seconds += pending.wait()
         own_segment = pending.keep_alive[1]
         replicas = 1 if self.replicate_group is None else dist.get_world_size(self.replicate_group)
-        self._accumulate_sharded_grad(own_segment, 1.0 / (self.world_size * replicas))
-        self.free_unsharded_grad()
-
-    def _accumulate_sharded_grad(self, own_segment: torch.Tensor, scale: float) -> None:
-        """One flat op: ``sharded_grad = scale·segment`` (fresh) or ``+=`` (accumulating).
-
-        A fresh write moves the segment into the persistent gradient in the same pass
-        that scales it, so taking the own segment costs no extra copy.
-        """
-        params = list(self.sharded_params.items())
-        self._grad_was_none = {name for name, param in params if param.grad is None}
-        fresh = len(self._grad_was_none) == len(params)
-        flat = self.sharded_grad  # a strong reference while the views are made
-        if flat is None:
-            flat = torch.empty(self.layout.segment_size, dtype=self.master_dtype, device=self.device)
-            self.sharded_grad = flat
-            if not fresh:
-                flat.zero_()
-        if fresh:
-            torch.mul(own_segment, scale, out=flat)
-        else:
-            for name, param in params:
-                view = flat[self._sharded_grad_slices[name]]
-                if param.grad is None:
-                    view.zero_()
-                elif param.grad.data_ptr() != view.data_ptr():
-                    view.copy_(param.grad)
-            flat.add_(own_segment, alpha=scale)
-        for name, param in params:
-            if param.requires_grad:
-                param.grad = flat[self._sharded_grad_slices[name]]
+        scale = 1.0 / (self.world_size * replicas)
+        adopted = self._grad.write(self.sharded_params, own_segment, scale, adoptable=self.single_rank)
+        self.free_unsharded_grad(handed_over=adopted)
 
     @property
     def trainable_count(self) -> int:
@@ -379,10 +394,7 @@ class DBuffer:
 
     def settle_unused(self, used_anywhere: Sequence[bool]) -> None:
         """After the reduction: a parameter no rank used keeps ``grad is None`` (as DDP and FSDP2)."""
-        trainable = [name for name, p in self.sharded_params.items() if p.requires_grad]
-        for name, used in zip(trainable, used_anywhere):
-            if not used and name in self._grad_was_none:
-                self.sharded_params[name].grad = None
+        self._grad.settle_unused(self.sharded_params, used_anywhere)
         self._used.clear()
 
     def reset(self) -> None:
@@ -400,24 +412,21 @@ class DBuffer:
 
     @property
     def sharded_grad(self) -> torch.Tensor | None:
-        """This rank's flat gradient segment while any parameter's ``.grad`` still points into it.
-
-        Only those views hold it (the DBuffer keeps a weak reference), so that
-        ``optimizer.zero_grad(set_to_none=True)`` frees it at once, as FSDP2 frees its
-        sharded gradients: between steps a rank holds no gradient memory.
-        """
-        return None if self._sharded_grad is None else self._sharded_grad()
+        """This rank's flat gradient segment while any shard's ``.grad`` still points into it (``sharded_grad.py``)."""
+        return self._grad.flat
 
     @sharded_grad.setter
     def sharded_grad(self, value: torch.Tensor | None) -> None:
-        self._sharded_grad = None if value is None else weakref.ref(value)
+        self._grad.flat = value
 
-    def free_unsharded_grad(self) -> None:
-        """Detach the parameters' gradients from the buffer and free it."""
+    def free_unsharded_grad(self, handed_over: bool = False) -> None:
+        """Detach the parameters' gradients from the buffer and free it (``handed_over``: now the sharded gradient)."""
         for param in self.unsharded_params.values():
             param.grad = None
         self._landed.clear()
-        if storage.free(self.unsharded_grad) and self.observers:
+        if handed_over:  # single rank: forget the buffer and its views, which would keep it alive
+            self.unsharded_grad, self._unsharded_grad_views = self._no_grad_buffer, {}
+        if (handed_over or storage.free(self.unsharded_grad)) and self.observers:
             notify(self, EventKind.GRAD_BUFFER_FREED)
 
     # ------------------------------------------------------------- full views
@@ -428,7 +437,7 @@ class DBuffer:
 
     def full_view(self, flat: torch.Tensor, name: str) -> torch.Tensor:
         """``name``'s original-shape view into a full flat buffer laid out as this DBuffer (any dtype or device)."""
-        shape, begin = self.unsharded_params[name].shape, self.layout.offsets[name]
+        shape, begin = self._shapes[name], self.layout.offsets[name]
         return flat[begin : begin + shape.numel()].view(shape)
 
     def load_full(self, tensors: dict[str, torch.Tensor]) -> None:

@@ -18,7 +18,7 @@ post-backward      reduce the group's trainable DBuffers (at most one reduction 
                    module's input gradient is computed
 end of backward    groups without a post-backward (inputs needing no gradient, the root) are
                    finished; one small all-reduce of "which parameters got a gradient" keeps
-                   ``grad is None`` for parameters no rank used (DDP's semantics)
+                   ``grad is None`` for parameters no rank used (DDP's semantics; none on a single rank)
 
 On an accelerator the all-gathers run on one all-gather stream and the reductions on one reduce
 stream per model (``streams.py``, ordering rules there; on CPU the same code with no-op streams):
@@ -313,17 +313,24 @@ class RaggedFSDPState:
         self._in_backward = False
 
     def _settle_unused(self) -> None:
-        """One small all-reduce: a parameter that received no gradient on any rank keeps ``grad is None``."""
+        """One small all-reduce: a parameter that received no gradient on any rank keeps ``grad is None``.
+
+        A single rank (a shard group of one, no HSDP) has no other rank to ask: its own flags are the answer.
+        """
         flags = [flag for dbuffer in self._reduced for flag in dbuffer.used_flags()]
-        counts = torch.tensor(flags, dtype=torch.int32, device=self._reduced[0].device)  # NCCL serves device tensors only
-        pending = collectives.all_reduce(counts, self._reduced[0].process_group, async_op=True)
-        replicate = self._reduced[0].replicate_group
-        self._finish_in_flight()
-        pending.wait()
-        if replicate is not None:
-            collectives.all_reduce(counts, replicate)
-        self.stats.flag_syncs += 1
-        used = counts.tolist()
+        first = self._reduced[0]
+        if first.single_rank:
+            self._finish_in_flight()
+            used = flags
+        else:
+            counts = torch.tensor(flags, dtype=torch.int32, device=first.device)  # NCCL serves device tensors only
+            pending = collectives.all_reduce(counts, first.process_group, async_op=True)
+            self._finish_in_flight()
+            pending.wait()
+            if first.replicate_group is not None:
+                collectives.all_reduce(counts, first.replicate_group)
+            self.stats.flag_syncs += 1
+            used = counts.tolist()
         for dbuffer in self._reduced:
             count = dbuffer.trainable_count
             dbuffer.settle_unused([u > 0 for u in used[:count]])

@@ -51,7 +51,8 @@ class DBufferInfo:
         self.index = index
         self.label = group if dbuffers_in_group == 1 else f"{group}#{index}"
         element = torch.empty((), dtype=dbuffer.param_dtype).element_size()
-        self.unsharded_bytes = dbuffer.layout.buffer_numel * element
+        self.unsharded_bytes = 0 if dbuffer.full_is_shard else dbuffer.layout.buffer_numel * element
+        """Bytes an unshard allocates: none where the full buffer is the shard itself (world size 1, no cast)."""
         self.cast_bytes = dbuffer.layout.segment_size * element if dbuffer.param_dtype != dbuffer.master_dtype else 0
         """Bytes of one cast of the shard to the compute dtype (``keep_cast_shard`` makes fewer casts than gathers)."""
         self.casts_seen = dbuffer.shard_cast.casts

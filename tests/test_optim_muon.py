@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor.debug import CommDebugMode
+from torch.optim._muon import _zeropower_via_newtonschulz
 
 from lightning_ragged import full_state_dict, fully_shard
 from lightning_ragged.optim import Muon, MuonWithAuxAdamW, split_muon_params
@@ -102,11 +103,18 @@ def train_against_torch_muon(granularities=GRANULARITIES, steps=STEPS, adjust_lr
     return results
 
 
-def same_gradients_against_torch_muon(granularities=GRANULARITIES, steps=STEPS):
+def _fp32_newton_schulz(*args):
+    """torch's Newton–Schulz with its bf16 result handed back in fp32, as a custom ``newton_schulz`` may."""
+    return _zeropower_via_newtonschulz(*args).float()
+
+
+def same_gradients_against_torch_muon(granularities=GRANULARITIES, steps=STEPS, newton_schulz=None):
     """Identical full gradients on both sides: the optimizer alone, so the match is bit-for-bit."""
     results = {}
     for granularity in granularities:
         model, _, (muon, _, names), (ref_muon, _, _), sharded, full_params = _sharded_and_reference(granularity)
+        if newton_schulz is not None:
+            muon.newton_schulz = newton_schulz
         generator = torch.Generator().manual_seed(3)
         for _ in range(steps):
             for name in names:
@@ -125,6 +133,13 @@ def same_gradients_against_torch_muon(granularities=GRANULARITIES, steps=STEPS):
 def test_muon_bit_exact_with_same_gradients(dist_pool, world_size):
     for rank_result in dist_pool(world_size).run(same_gradients_against_torch_muon):
         assert rank_result == {g: 0.0 for g in GRANULARITIES}
+
+
+def test_muon_sends_results_in_the_wire_dtype_whatever_newton_schulz_returns(dist_pool):
+    """A ``newton_schulz`` returning fp32 under "element" (split matrices, bf16 wire): results are cast for
+    the scatter (they used to reach the bf16 all-to-all as fp32) and, being bf16 values, arrive exactly."""
+    for rank_result in dist_pool(2).run(same_gradients_against_torch_muon, ("element",), 2, _fp32_newton_schulz):
+        assert rank_result == {"element": 0.0}
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3])

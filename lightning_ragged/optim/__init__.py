@@ -4,6 +4,7 @@ See docs/optimizers.md for the granularity each one needs and a Lightning exampl
 """
 
 from lightning_ragged.optim.adamw8bit import AdamW8bit, block_granularity
+from lightning_ragged.optim.eigh import EigendecompositionError
 from lightning_ragged.optim.muon import Muon, MuonPlan, ns_flops, split_muon_params
 from lightning_ragged.optim.muon_adamw import MuonWithAuxAdamW, muon_param_groups
 from lightning_ragged.optim.named_state import RaggedOptimizer
@@ -13,6 +14,7 @@ from lightning_ragged.optim.tiles import TilePlan
 
 __all__ = [
     "AdamW8bit",
+    "EigendecompositionError",
     "Muon",
     "MuonPlan",
     "MuonWithAuxAdamW",

@@ -32,21 +32,34 @@ class RaggedOptimizer(torch.optim.Optimizer):
     """
 
     def __init__(self, params: Any, defaults: dict[str, Any]) -> None:
+        self._param_names: dict[int, str] = {}  # filled by add_param_group, which torch's __init__ calls
         super().__init__(params, defaults)
-        self._param_names: dict[int, str] = {}
-        for group in self.param_groups:
-            names = group.get("param_names")
-            for index, param in enumerate(group["params"]):
-                shard = getattr(param, "ragged_shard", None)
-                if names:
-                    name = names[index]
-                elif shard is not None:
-                    name = shard.name
-                else:
-                    name = f"param_{len(self._param_names)}"
-                if name in self._param_names.values():
-                    raise ValueError(f"parameter name {name!r} appears twice in {type(self).__name__}'s param groups")
-                self._param_names[id(param)] = name
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """torch's ``add_param_group``, naming the new parameters (every rank must add the same groups, in order).
+
+        A name comes from the group's ``param_names`` (named parameters), else ``param.ragged_shard.name``,
+        else ``param_<n>``; names are the keys of the state dict, so a repeated one is refused.
+        """
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        names = group.get("param_names")
+        taken = set(self._param_names.values())
+        new: dict[int, str] = {}
+        for index, param in enumerate(group["params"]):
+            shard = getattr(param, "ragged_shard", None)
+            if names:
+                name = names[index]
+            elif shard is not None:
+                name = shard.name
+            else:
+                name = f"param_{len(self._param_names) + len(new)}"
+            if name in taken:
+                self.param_groups.pop()
+                raise ValueError(f"parameter name {name!r} appears twice in {type(self).__name__}'s param groups")
+            taken.add(name)
+            new[id(param)] = name
+        self._param_names.update(new)
 
     # ----------------------------------------------------------------- helpers
     def param_name(self, param: torch.Tensor) -> str:
@@ -116,16 +129,19 @@ class RaggedOptimizer(torch.optim.Optimizer):
             mine = [self.param_name(p) for p in group["params"]]
             if list(saved["params"]) != mine:
                 raise ValueError(f"param group mismatch: saved {list(saved['params'])}, optimizer has {mine}")
-            group.update({k: v for k, v in saved.items() if k not in ("params", "param_names")})
-        self.state.clear()
+        state = {}  # everything is checked before the optimizer changes
         for name, entries in state_dict["state"].items():
             if name not in by_name:
                 raise KeyError(f"optimizer state for unknown parameter {name!r}")
             param = by_name[name]
             layout = self.state_layout(param)
-            self.state[param] = {
+            state[param] = {
                 key: self._localize(param, key, value, layout.get(key, "scalar")) for key, value in entries.items()
             }
+        for saved, group in zip(saved_groups, self.param_groups):
+            group.update({k: v for k, v in saved.items() if k not in ("params", "param_names")})
+        self.state.clear()
+        self.state.update(state)
 
     def _localize(self, param: torch.Tensor, key: str, value: Any, layout: str) -> Any:
         """This rank's part of one saved state entry (own-range or full-size), on the parameter's device."""

@@ -23,14 +23,21 @@ Per step t (1-based), per tile, with G the gradient tile:
 * direction: once preconditioning started ``D = L^{-1/4}·M·R^{-1/4}`` rescaled to the Frobenius
   norm of the tile's graft direction, before that the graft direction itself;
 * ``p ← p·(1 − lr·weight_decay) − lr·D``.
+
+t is the tile's own step count (``"step"`` in its state): a tile left untouched (a missing
+gradient, ``optim/tiled.py``) does not count the step. An eigendecomposition that fails even in
+fp64 on the CPU (``optim/eigh.py``) keeps the tile's previous root inverses, steps it with its
+graft direction, and makes every rank raise ``EigendecompositionError`` after the step.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import math
+from typing import Any, Mapping
 
 import torch
 
+from lightning_ragged.optim.eigh import EigendecompositionError, symmetric_eigh
 from lightning_ragged.optim.tiled import TiledOptimizer
 from lightning_ragged.optim.tiles import Tile
 
@@ -41,13 +48,18 @@ def inverse_root(matrix: torch.Tensor, root: int, epsilon: float, dtype: torch.d
     """``(matrix + epsilon·I)^{-1/root}`` by eigendecomposition in ``dtype``, returned in fp32."""
     work = matrix.to(dtype)
     work = work + epsilon * torch.eye(work.shape[0], dtype=dtype, device=work.device)
-    eigenvalues, eigenvectors = torch.linalg.eigh(work)
+    eigenvalues, eigenvectors = symmetric_eigh(work)
     eigenvalues = eigenvalues.clamp(min=epsilon).pow(-1.0 / root)
     return ((eigenvectors * eigenvalues) @ eigenvectors.T).to(torch.float32)
 
 
 class Shampoo(TiledOptimizer):
     """Block-diagonal Shampoo with grafting on any ragged layout: whole tiles free, split tiles gathered."""
+
+    failure_note = (
+        "such a tile kept its previous root inverses and took its graft direction. Check the gradients for "
+        "inf/NaN, or raise epsilon"
+    )
 
     def __init__(
         self,
@@ -64,17 +76,6 @@ class Shampoo(TiledOptimizer):
         grafting_epsilon: float = 1e-10,
         inverse_root_dtype: torch.dtype = torch.float64,
     ) -> None:
-        if grafting not in GRAFTINGS:
-            raise ValueError(f"grafting={grafting!r} is not supported; use one of {GRAFTINGS}")
-        if inverse_root_dtype not in (torch.float32, torch.float64):
-            raise ValueError(
-                f"inverse_root_dtype={inverse_root_dtype} is not supported; use torch.float32 or torch.float64"
-            )
-        for name, value in (("max_preconditioner_dim", max_preconditioner_dim),
-                            ("precondition_frequency", precondition_frequency),
-                            ("start_preconditioning_step", start_preconditioning_step)):
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}={value!r} is not supported; pass an int >= 1")
         defaults = dict(
             lr=lr,
             betas=betas,
@@ -90,19 +91,55 @@ class Shampoo(TiledOptimizer):
         )
         super().__init__(params, defaults)
 
-    def _begin_param(self, param: torch.Tensor, group: dict[str, Any], state: dict[str, Any]) -> float:
-        if not state:
-            state["step"] = 0
-            state["tiles"] = {}
-        state["step"] += 1
-        return group["lr"]
+    def check_hyperparameters(self, values: Mapping[str, Any]) -> None:
+        if values["grafting"] not in GRAFTINGS:
+            raise ValueError(f"grafting={values['grafting']!r} is not supported; use one of {GRAFTINGS}")
+        if values["inverse_root_dtype"] not in (torch.float32, torch.float64):
+            raise ValueError(
+                f"inverse_root_dtype={values['inverse_root_dtype']} is not supported; use torch.float32 or torch.float64"
+            )
+        for name in ("max_preconditioner_dim", "precondition_frequency", "start_preconditioning_step"):
+            if not isinstance(values[name], int) or values[name] < 1:
+                raise ValueError(f"{name}={values[name]!r} is not supported; pass an int >= 1")
+        lr, betas = values["lr"], values["betas"]
+        if not lr >= 0.0:
+            raise ValueError(f"lr={lr!r} is not supported; pass a learning rate >= 0")
+        if len(betas) != 2 or not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] <= 1.0):
+            raise ValueError(
+                f"betas={tuple(betas)!r} is not supported; pass (momentum in [0, 1), statistics decay in [0, 1]; "
+                "1: plain sums), e.g. (0.9, 1.0)"
+            )
+        if not (values["epsilon"] > 0 and math.isfinite(values["epsilon"])):
+            raise ValueError(
+                f"epsilon={values['epsilon']!r} is not supported; pass a finite value > 0 (it floors the "
+                "eigenvalues the root inverses raise to a negative power), e.g. 1e-12"
+            )
+        if not 0.0 <= values["grafting_beta2"] < 1.0:
+            raise ValueError(
+                f"grafting_beta2={values['grafting_beta2']!r} is not supported; pass a value in [0, 1) "
+                "(Adam grafting divides by 1 - grafting_beta2**t), e.g. 0.999"
+            )
+        for name in ("grafting_epsilon", "weight_decay"):
+            if not values[name] >= 0.0:
+                raise ValueError(f"{name}={values[name]!r} is not supported; pass a value >= 0")
 
-    def _tile_direction(
-        self, group: dict[str, Any], state: dict[str, Any], tile: Tile, grad: torch.Tensor
+    def tile_state_shapes(self, tile: Tile) -> dict[str, tuple[int, ...]]:
+        r, c = tile.shape
+        shapes = {"step": (), "L": (r, r), "L_inv_root": (r, r), "momentum": (r, c), "graft": (r, c)}
+        if not tile.one_sided:
+            shapes.update(R=(c, c), R_inv_root=(c, c))
+        return shapes
+
+    def _tile_update(
+        self, group: dict[str, Any], tiles: dict[str, Any], tile: Tile, grad: torch.Tensor
     ) -> torch.Tensor:
         beta1, beta2 = group["betas"]
-        epsilon, step = group["epsilon"], state["step"]
-        s = state["tiles"].setdefault(tile.tile_id, self._new_tile(grad, tile.one_sided))
+        epsilon, lr = group["epsilon"], group["lr"]
+        s = tiles.get(tile.tile_id)
+        if s is None:
+            s = tiles[tile.tile_id] = self._new_tile(grad, tile.one_sided)
+        s["step"] += 1
+        step = s["step"]
         momentum, graft = s["momentum"], s["graft"]
         if beta1 > 0:
             momentum.lerp_(grad, 1 - beta1)
@@ -122,23 +159,28 @@ class Shampoo(TiledOptimizer):
             self._accumulate(s["R"], grad.T @ grad, beta2)
         start = group["start_preconditioning_step"]
         if step < start:
-            return graft_direction
+            return graft_direction.mul_(-lr)
         if (step - start) % group["precondition_frequency"] == 0:
             root = 2 if tile.one_sided else 4
-            s["L_inv_root"] = inverse_root(s["L"], root, epsilon, group["inverse_root_dtype"])
-            if not tile.one_sided:
-                s["R_inv_root"] = inverse_root(s["R"], root, epsilon, group["inverse_root_dtype"])
+            try:
+                factors = ("L",) if tile.one_sided else ("L", "R")
+                roots = {f"{f}_inv_root": inverse_root(s[f], root, epsilon, group["inverse_root_dtype"]) for f in factors}
+            except EigendecompositionError as error:
+                self._report_failure(tile, error)
+                return graft_direction.mul_(-lr)
+            s.update(roots)
         pre = s["L_inv_root"] @ momentum
         if not tile.one_sided:
             pre = pre @ s["R_inv_root"]
         norm = pre.norm()
         scale = graft_direction.norm() / norm if norm > 0 else torch.zeros((), device=pre.device)
-        return pre * scale
+        return pre.mul_(scale * -lr)
 
     @staticmethod
-    def _new_tile(grad: torch.Tensor, one_sided: bool) -> dict[str, torch.Tensor]:
+    def _new_tile(grad: torch.Tensor, one_sided: bool) -> dict[str, Any]:
         r, c = grad.shape
-        tile = {
+        tile: dict[str, Any] = {
+            "step": 0,
             "L": torch.zeros(r, r, device=grad.device),
             "L_inv_root": torch.eye(r, device=grad.device),
             "momentum": torch.zeros(r, c, device=grad.device),

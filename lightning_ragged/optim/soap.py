@@ -15,8 +15,8 @@ all of them (``optim/tiled.py``). Per tile, per step t (1-based), with G the gra
 * t ≥ 2: ``G' = Q_Lᵀ·G·Q_R``; ``M ← β1·M + (1−β1)·G`` (kept in the parameter's basis, as the
   paper's Algorithm 3, so a basis refresh never leaves it stale) and ``M' = Q_Lᵀ·M·Q_R``;
   ``V ← β2·V + (1−β2)·G'²`` (in the eigenbasis); ``N = Q_L·(M' / (√V + eps))·Q_Rᵀ``;
-  ``p ← p·(1 − lr·weight_decay) − η·N`` with ``η = lr·√(1−β2ᵏ)/(1−β1ᵏ)`` (``correct_bias``,
-  else lr) — weight decay decoupled, as AdamW;
+  ``p ← p − η·N`` with ``η = lr·√(1−β2ᵏ)/(1−β1ᵏ)`` (``correct_bias``, else lr), then
+  ``p ← p − lr·weight_decay·p`` — weight decay decoupled and after the update, in the reference's order;
 * then ``L ← β_s·L + (1−β_s)·G·Gᵀ`` (R alike) and, when k is a multiple of
   ``precondition_frequency``, the eigenbases are refreshed as the reference does: one power
   iteration and a QR decomposition, ``Q ← qr(X·Q[:, order])`` with ``order`` sorting the
@@ -24,17 +24,26 @@ all of them (``optim/tiled.py``). Per tile, per step t (1-based), with G the gra
   permuted alike. (A fresh ``eigh`` each time would reorder and flip eigenvectors freely; the
   power step keeps Adam's V attached to the directions it measured.)
 
+k counts the tile's Adam steps (``"step"`` in its state, as the reference's ``state["step"]``):
+a tile left untouched (a missing gradient, ``optim/tiled.py``) does not count the step.
+
 Parameters of fewer than two dimensions (biases, norm weights, scalars) get plain Adam with the
 same step size, weight decay and first-step skip, element-wise on the local shard — the
-reference's default (``precondition_1d=False``): no tiles, no communication.
+reference's default (``precondition_1d=False``): no tiles, no communication; their ``"step"``
+counts their Adam steps too.
+
+The first eigenbases come from ``optim/eigh.py`` (fp32, retried in fp64, then on the CPU, as the
+reference retries in fp64); if every attempt fails the tile does not start this step, and every
+rank raises ``EigendecompositionError`` after the step.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 
+from lightning_ragged.optim.eigh import EigendecompositionError, symmetric_eigh
 from lightning_ragged.optim.shards import local_flat
 from lightning_ragged.optim.tiled import TiledOptimizer
 from lightning_ragged.optim.tiles import Tile
@@ -42,6 +51,9 @@ from lightning_ragged.optim.tiles import Tile
 
 class SOAP(TiledOptimizer):
     """SOAP with block-diagonal (tiled) preconditioners on any ragged layout; Adam for 1-D parameters."""
+
+    decay_before_update = False  # the reference: p -= η·N, then p -= lr·wd·p
+    failure_note = "such a tile did not start (it tries again next step). Check the gradients for inf/NaN"
 
     def __init__(
         self,
@@ -55,20 +67,6 @@ class SOAP(TiledOptimizer):
         max_preconditioner_dim: int = 1024,
         correct_bias: bool = True,
     ) -> None:
-        if not lr >= 0.0:
-            raise ValueError(f"lr={lr!r} is not supported; pass a learning rate >= 0")
-        if len(betas) != 2 or not all(0.0 <= beta < 1.0 for beta in betas):
-            raise ValueError(f"betas={betas!r} is not supported; pass two values in [0, 1), e.g. (0.95, 0.95)")
-        if not shampoo_beta < 1.0:
-            raise ValueError(
-                f"shampoo_beta={shampoo_beta!r} is not supported; pass a value < 1 (negative: use betas[1])"
-            )
-        if not eps >= 0.0 or not weight_decay >= 0.0:
-            raise ValueError(f"eps={eps!r}, weight_decay={weight_decay!r}: both must be >= 0")
-        for name, value in (("precondition_frequency", precondition_frequency),
-                            ("max_preconditioner_dim", max_preconditioner_dim)):
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}={value!r} is not supported; pass an int >= 1")
         defaults = dict(
             lr=lr,
             betas=betas,
@@ -81,6 +79,22 @@ class SOAP(TiledOptimizer):
         )
         super().__init__(params, defaults)
 
+    def check_hyperparameters(self, values: Mapping[str, Any]) -> None:
+        lr, betas, shampoo_beta = values["lr"], values["betas"], values["shampoo_beta"]
+        if not lr >= 0.0:
+            raise ValueError(f"lr={lr!r} is not supported; pass a learning rate >= 0")
+        if len(betas) != 2 or not all(0.0 <= beta < 1.0 for beta in betas):
+            raise ValueError(f"betas={betas!r} is not supported; pass two values in [0, 1), e.g. (0.95, 0.95)")
+        if not shampoo_beta < 1.0:
+            raise ValueError(
+                f"shampoo_beta={shampoo_beta!r} is not supported; pass a value < 1 (negative: use betas[1])"
+            )
+        if not values["eps"] >= 0.0 or not values["weight_decay"] >= 0.0:
+            raise ValueError(f"eps={values['eps']!r}, weight_decay={values['weight_decay']!r}: both must be >= 0")
+        for name in ("precondition_frequency", "max_preconditioner_dim"):
+            if not isinstance(values[name], int) or values[name] < 1:
+                raise ValueError(f"{name}={values[name]!r} is not supported; pass an int >= 1")
+
     def is_tiled(self, param: torch.Tensor) -> bool:
         return len(self.shard(param).global_shape) >= 2
 
@@ -89,69 +103,78 @@ class SOAP(TiledOptimizer):
             return super().state_layout(param)
         return {"step": "scalar", "exp_avg": "flat", "exp_avg_sq": "flat"}
 
-    def _begin_param(self, param: torch.Tensor, group: dict[str, Any], state: dict[str, Any]) -> float | None:
-        if not state:
-            state["step"] = 0
-            if self.is_tiled(param):
-                state["tiles"] = {}
-            else:
-                state["exp_avg"] = torch.zeros_like(local_flat(param), dtype=torch.float32)
-                state["exp_avg_sq"] = torch.zeros_like(state["exp_avg"])
-        state["step"] += 1
-        adam_step = state["step"] - 1
-        if adam_step == 0:
-            return None
+    def tile_state_shapes(self, tile: Tile) -> dict[str, tuple[int, ...]]:
+        r, c = tile.shape
+        return {"step": (), "L": (r, r), "R": (c, c), "Q_L": (r, r), "Q_R": (c, c), "exp_avg": (r, c),
+                "exp_avg_sq": (r, c)}
+
+    @staticmethod
+    def _step_size(group: dict[str, Any], adam_step: int) -> float:
         if not group["correct_bias"]:
             return group["lr"]
         beta1, beta2 = group["betas"]
         return group["lr"] * (1 - beta2**adam_step) ** 0.5 / (1 - beta1**adam_step)
 
-    def _step_untiled(
-        self, param: torch.Tensor, group: dict[str, Any], state: dict[str, Any], step_size: float | None
-    ) -> None:
-        if step_size is None:
+    def _step_untiled(self, param: torch.Tensor, group: dict[str, Any], state: dict[str, Any]) -> None:
+        flat = local_flat(param)
+        if not state:  # the first gradient only starts the state, as for tiles
+            state["step"] = 0
+            state["exp_avg"] = torch.zeros_like(flat, dtype=torch.float32)
+            state["exp_avg_sq"] = torch.zeros_like(state["exp_avg"])
             return
+        state["step"] += 1
         beta1, beta2 = group["betas"]
         grad = local_flat(param.grad).float()
         state["exp_avg"].mul_(beta1).add_(grad, alpha=1 - beta1)
         state["exp_avg_sq"].mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
         denominator = state["exp_avg_sq"].sqrt().add_(group["eps"])
-        local_flat(param).addcdiv_(state["exp_avg"], denominator, value=-step_size)
+        flat.addcdiv_(state["exp_avg"], denominator, value=-self._step_size(group, state["step"]))
+        if group["weight_decay"]:
+            flat.mul_(1 - group["lr"] * group["weight_decay"])
 
-    def _tile_direction(
-        self, group: dict[str, Any], state: dict[str, Any], tile: Tile, grad: torch.Tensor
+    def _tile_update(
+        self, group: dict[str, Any], tiles: dict[str, Any], tile: Tile, grad: torch.Tensor
     ) -> torch.Tensor | None:
         beta1, beta2 = group["betas"]
         shampoo_beta = group["shampoo_beta"] if group["shampoo_beta"] >= 0 else beta2
-        s = state["tiles"].get(tile.tile_id)
+        s = tiles.get(tile.tile_id)
         if s is None:  # first step: statistics and the first eigenbases only
-            s = state["tiles"][tile.tile_id] = {
-                "L": (1 - shampoo_beta) * (grad @ grad.T),
-                "R": (1 - shampoo_beta) * (grad.T @ grad),
+            left, right = (1 - shampoo_beta) * (grad @ grad.T), (1 - shampoo_beta) * (grad.T @ grad)
+            try:
+                bases = _eigenbasis(left), _eigenbasis(right)
+            except EigendecompositionError as error:
+                self._report_failure(tile, error)
+                return None
+            tiles[tile.tile_id] = {
+                "step": 0,
+                "L": left,
+                "R": right,
+                "Q_L": bases[0],
+                "Q_R": bases[1],
                 "exp_avg": torch.zeros_like(grad, memory_format=torch.contiguous_format),
                 "exp_avg_sq": torch.zeros_like(grad, memory_format=torch.contiguous_format),
             }
-            s["Q_L"], s["Q_R"] = _eigenbasis(s["L"]), _eigenbasis(s["R"])
             return None
+        s["step"] += 1
         q_l, q_r = s["Q_L"], s["Q_R"]
         rotated = q_l.T @ grad @ q_r
         s["exp_avg"].mul_(beta1).add_(grad, alpha=1 - beta1)
         s["exp_avg_sq"].mul_(beta2).addcmul_(rotated, rotated, value=1 - beta2)
         adam = (q_l.T @ s["exp_avg"] @ q_r) / s["exp_avg_sq"].sqrt().add_(group["eps"])
-        direction = q_l @ adam @ q_r.T
+        update = (q_l @ adam @ q_r.T).mul_(-self._step_size(group, s["step"]))
         s["L"].mul_(shampoo_beta).add_(grad @ grad.T, alpha=1 - shampoo_beta)
         s["R"].mul_(shampoo_beta).add_(grad.T @ grad, alpha=1 - shampoo_beta)
-        if (state["step"] - 1) % group["precondition_frequency"] == 0:
+        if s["step"] % group["precondition_frequency"] == 0:
             s["Q_L"], order = _power_qr(s["L"], q_l)
             s["exp_avg_sq"] = s["exp_avg_sq"][order]
             s["Q_R"], order = _power_qr(s["R"], q_r)
             s["exp_avg_sq"] = s["exp_avg_sq"][:, order]
-        return direction
+        return update
 
 
 def _eigenbasis(matrix: torch.Tensor) -> torch.Tensor:
     """Eigenvectors of a symmetric matrix, by decreasing eigenvalue (fp32, row-major like a reloaded one)."""
-    return torch.linalg.eigh(matrix)[1].flip(1).contiguous()
+    return symmetric_eigh(matrix)[1].flip(1).contiguous()
 
 
 def _power_qr(matrix: torch.Tensor, basis: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -8,10 +8,12 @@ interval ``[start, end)`` of that order — a *piece*, as ``optim/tile_exchange.
 and lies in the rank's local flat shard as at most three strided blocks (a partial row, full
 rows, a partial row), read and updated in place through ``as_strided`` views.
 
-``assign_roots`` gives every tile one owner per shard process group: a rank holding a tile whole
-owns it (no communication); split tiles go, most expensive first, to the rank with the least
-eigendecomposition work so far (``eig_cost``: r³ + c³, the owned whole tiles counted too), ties
-to the rank holding more of the tile. The owner keeps the tile's whole state.
+``TilePlan.assign`` gives every tile one owner per shard process group: a rank holding a tile
+whole owns it (no communication); split tiles go, most expensive first, to the rank with the
+least eigendecomposition work so far (``eig_cost``: r³ + c³, the owned whole tiles counted too,
+and the tiles assigned before: parameters added later by ``add_param_group`` extend the plan),
+ties to the rank holding more of the tile. The owner keeps the tile's whole state. Every rank
+computes the same plan from the same tiles, so no communication decides it.
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ class Tile:
     local_start: int  # flat index where this rank's shard of the parameter starts
     one_sided: bool  # a vector tile: one factor only
     root: int = -1
+    index: int = -1  # position among its shard process group's tiles (the same on every rank)
 
     @property
     def numel(self) -> int:
@@ -100,12 +103,17 @@ class Tile:
         views = self._views(flat)
         return torch.cat([v.reshape(-1) for v in views]) if views else flat.new_empty(0)
 
-    def add_(self, flat: torch.Tensor, values: torch.Tensor, alpha: float) -> None:
+    def add_(self, flat: torch.Tensor, values: torch.Tensor, alpha: float = 1.0) -> None:
         """``piece += alpha·values`` in place, ``values`` 1-D in tile order (this rank's piece)."""
         cursor = 0
         for view in self._views(flat):
             view.add_(values[cursor : cursor + view.numel()].view(view.shape), alpha=alpha)
             cursor += view.numel()
+
+    def scale_(self, flat: torch.Tensor, factor: float) -> None:
+        """``piece *= factor`` in place (this rank's piece: weight decay of a tile that steps)."""
+        for view in self._views(flat):
+            view.mul_(factor)
 
 
 def tiles_of(shard: RaggedShard, dim: int) -> list[Tile]:
@@ -142,27 +150,31 @@ class TilePlan:
     owned: int = 0  # tiles whole on one rank
     split: int = 0  # tiles cut across ranks (gathered to their owner every step)
 
+    def assign(self, key: int, tiles: Sequence[Tile]) -> None:
+        """Set the ``root`` of new ``tiles`` of shard process group ``key``, counting the work assigned before.
+
+        Holders keep whole tiles; split ones go greedily, most expensive first, to the least-loaded
+        rank (ties: the rank holding more of the tile, then the lower rank).
+        """
+        if not tiles:
+            return
+        loads = self.cost_per_rank.setdefault(key, [0] * len(tiles[0].pieces))
+        split = []
+        for tile in tiles:
+            owner = tile.owner()
+            if owner is None:
+                split.append(tile)
+                continue
+            tile.root = owner
+            loads[owner] += eig_cost(tile.shape, tile.one_sided)
+            self.owned += 1
+        for tile in sorted(split, key=lambda t: -eig_cost(t.shape, t.one_sided)):  # stable: ties keep global order
+            tile.root = min(range(len(loads)), key=lambda r: (loads[r], -tile.piece_numel(r), r))
+            loads[tile.root] += eig_cost(tile.shape, tile.one_sided)
+            self.split += 1
+
     def balance(self) -> float:
         """max/mean eigendecomposition work over the ranks of the (first) shard group; 1.0 is perfect."""
         loads = next(iter(self.cost_per_rank.values()), [0])
         mean = sum(loads) / len(loads)
         return max(loads) / mean if mean else 1.0
-
-
-def assign_roots(groups: Sequence[Sequence[Tile]]) -> TilePlan:
-    """Set every tile's ``root``: holders keep whole tiles, split ones go greedily to the least-loaded rank."""
-    plan = TilePlan()
-    for index, tiles in enumerate(groups):
-        loads = plan.cost_per_rank.setdefault(index, [0] * (len(tiles[0].pieces) if tiles else 1))
-        for tile in tiles:
-            owner = tile.owner()
-            if owner is not None:
-                tile.root = owner
-                loads[owner] += eig_cost(tile.shape, tile.one_sided)
-                plan.owned += 1
-        split = [tile for tile in tiles if tile.root < 0]
-        for tile in sorted(split, key=lambda t: -eig_cost(t.shape, t.one_sided)):  # stable: ties keep global order
-            tile.root = min(range(len(loads)), key=lambda r: (loads[r], -tile.piece_numel(r), r))
-            loads[tile.root] += eig_cost(tile.shape, tile.one_sided)
-            plan.split += 1
-    return plan

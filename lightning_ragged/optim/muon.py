@@ -26,9 +26,22 @@ does it on the full tensor):
    ``adjusted_lr`` from ``adjust_lr_fn`` on the matrix's ``[A, B]`` ("original": √max(1, A/B);
    "match_rms_adamw": 0.2·√max(A, B)).
 
-Every rank must see the same parameters with gradients (true under ``fully_shard``: a
-reduced group sets every shard's ``.grad``, possibly empty) since roots and split sizes
-are derived from that list.
+Roots and split sizes follow from the parameters and the layout alone, never from which
+parameters have gradients, so every rank issues the exchange whatever its gradients (the
+exchange is reused while they stay the same).
+
+**The matrix (expert, head) is the unit of a step**: it *steps* — its momentum takes the
+gradient, its elements get weight decay and the update — or it is left *untouched*, as
+``torch.optim.Muon`` leaves a parameter whose ``grad`` is None (momentum included). A whole
+matrix steps when its owner has a gradient. A split matrix steps when every rank holding a
+piece of it has one (Newton–Schulz needs the whole update): each piece travels to the root
+with a "has a gradient" mark (zeros when not), and comes back with a "stepped" mark; a rank
+that moved its piece's momentum before knowing puts the old values back (kept as a copy of its
+split pieces for the step). So a rank that sets a split parameter's ``grad`` to None (a manual
+edit, skipping a non-finite gradient, freezing on one rank) hangs nobody: the matrices it holds
+a piece of are untouched on every rank, the others step. Under ``fully_shard`` ranks agree on
+which parameters have gradients (a reduced group sets every shard's ``.grad``, possibly empty),
+so all of a parameter's matrices step or none do.
 """
 
 from __future__ import annotations
@@ -90,10 +103,11 @@ class _Job:
     shard: RaggedShard  # the parameter's
     shape: tuple[int, int]
     pieces: Ranges  # every rank's piece of this matrix, relative to the matrix
-    update: torch.Tensor  # this rank's piece of the momentum update (fp32)
+    update: torch.Tensor | None  # this rank's piece of the momentum update (fp32); None: no gradient here
     local_start: int  # where that piece starts in this rank's flat shard of the parameter
     root: int = -1  # rank (in its shard group) that runs Newton–Schulz
     split: bool = False
+    old_momentum: torch.Tensor | None = None  # a split piece's momentum before this step (put back if it does not step)
 
     @property
     def numel(self) -> int:
@@ -110,9 +124,17 @@ class _Job:
         """The rank holding the whole matrix, or None when it is split."""
         return next((rank for rank in range(len(self.pieces)) if self.piece_numel(rank) == self.numel), None)
 
+    def local(self, flat: torch.Tensor) -> torch.Tensor:
+        """This rank's piece of the matrix in ``flat``, a tensor laid out as the parameter's local flat shard."""
+        return flat[self.local_start : self.local_start + self.piece_numel(self.shard.rank)]
+
     def local_param(self) -> torch.Tensor:
         """This rank's piece of the matrix in the parameter's local flat shard."""
-        return local_flat(self.param)[self.local_start : self.local_start + self.update.numel()]
+        return self.local(local_flat(self.param))
+
+    def holds_split_piece(self) -> bool:
+        """Whether this rank holds part, not all, of the matrix (it is split: known before roots are assigned)."""
+        return 0 < self.piece_numel(self.shard.rank) < self.numel
 
 
 @dataclass
@@ -190,6 +212,7 @@ class Muon(RaggedOptimizer):
                     )
                 matrix_layout(self.param_name(param), shape, qkv_heads)  # refuses a bad qkv_heads entry now
         self.last_plan: MuonPlan | None = None
+        self._exchanges: dict[int, tuple[tuple[Any, ...], SplitExchange]] = {}  # shard group -> (its key, exchange)
         self.newton_schulz: Callable[..., torch.Tensor] = _zeropower_via_newtonschulz
 
     def state_layout(self, param: torch.Tensor) -> dict[str, str]:
@@ -206,24 +229,10 @@ class Muon(RaggedOptimizer):
         return group["params"]
 
     def _muon_step(self, groups: list[dict[str, Any]]) -> None:
-        jobs: list[_Job] = []
+        jobs: list[_Job] = []  # every matrix, gradient or not: the same list on every rank
         for group in groups:
-            momentum = group["momentum"]
             for param in group["params"]:
-                if param.grad is None:
-                    continue
-                if torch.is_complex(param):
-                    raise RuntimeError("Muon does not support complex parameters")
-                if param.grad.is_sparse:
-                    raise RuntimeError("Muon does not support sparse gradients")
-                grad = local_flat(param.grad)
-                state = self.state[param]
-                if "momentum_buffer" not in state:
-                    state["momentum_buffer"] = torch.zeros_like(grad, memory_format=torch.preserve_format)
-                buf = state["momentum_buffer"]
-                buf.lerp_(grad, 1 - momentum)
-                update = grad.lerp(buf, momentum) if group["nesterov"] else buf
-                jobs += self._matrix_jobs(param, group, update)
+                jobs += self._momentum_jobs(param, group)
         self.last_plan = self._assign_roots(jobs)
         by_group: dict[int, list[_Job]] = {}
         for job in jobs:
@@ -231,8 +240,39 @@ class Muon(RaggedOptimizer):
         for group_jobs in by_group.values():
             self._step_process_group(group_jobs)
 
-    def _matrix_jobs(self, param: torch.Tensor, group: dict[str, Any], update: torch.Tensor) -> list[_Job]:
-        """One job per matrix of ``param`` (the same list on every rank: it follows the global shape)."""
+    def _momentum_jobs(self, param: torch.Tensor, group: dict[str, Any]) -> list[_Job]:
+        """``param``'s matrices, with this rank's piece of its momentum update when it has a gradient.
+
+        As ``torch.optim.Muon``, on the local flat shard: ``buf.lerp_(grad, 1 - momentum)``, then the
+        nesterov ``grad.lerp(buf, momentum)`` (or ``buf``). The momentum of a split matrix's piece is
+        copied first: the matrix may not step (a holder without a gradient), and then it is put back.
+        """
+        if param.grad is None:
+            return self._matrix_jobs(param, group, None)
+        if torch.is_complex(param):
+            raise RuntimeError("Muon does not support complex parameters")
+        if param.grad.is_sparse:
+            raise RuntimeError("Muon does not support sparse gradients")
+        grad = local_flat(param.grad)
+        state = self.state[param]
+        if "momentum_buffer" not in state:
+            state["momentum_buffer"] = torch.zeros_like(grad, memory_format=torch.preserve_format)
+        buf = state["momentum_buffer"]
+        update = torch.empty_like(grad) if group["nesterov"] else buf  # the jobs view it before it is written
+        jobs = self._matrix_jobs(param, group, update)
+        for job in jobs:
+            if job.holds_split_piece():
+                job.old_momentum = job.local(buf).clone()
+        buf.lerp_(grad, 1 - group["momentum"])
+        if group["nesterov"]:
+            torch.lerp(grad, buf, group["momentum"], out=update)
+        return jobs
+
+    def _matrix_jobs(self, param: torch.Tensor, group: dict[str, Any], update: torch.Tensor | None) -> list[_Job]:
+        """One job per matrix of ``param`` (the same list on every rank: it follows the global shape).
+
+        ``update``: this rank's flat momentum update of ``param`` (each job views its piece), None without a gradient.
+        """
         shard = self.shard(param)
         count, shape = matrix_layout(self.param_name(param), shard.global_shape, self.qkv_heads)
         numel = shape[0] * shape[1]
@@ -244,7 +284,8 @@ class Muon(RaggedOptimizer):
             pieces = matrix_pieces(shard.rank_ranges, offset, numel)
             start, end = pieces[shard.rank]
             local = offset + start - my_start if end > start else 0
-            jobs.append(_Job(param, group, shard, shape, pieces, update[local : local + end - start], local))
+            piece = None if update is None else update[local : local + end - start]
+            jobs.append(_Job(param, group, shard, shape, pieces, piece, local))
         return jobs
 
     def _assign_roots(self, jobs: list[_Job]) -> MuonPlan:
@@ -274,42 +315,75 @@ class Muon(RaggedOptimizer):
         me = jobs[0].shard.rank
         split = [job for job in jobs if job.split]
 
-        # 1. Gather every split matrix's pieces to its root: one async all-to-all (bf16).
-        exchange = None
-        if split:
-            exchange = SplitExchange(
-                [job.pieces for job in split], [job.root for job in split], me, jobs[0].shard.process_group,
-                torch.bfloat16, jobs[0].update.device,
-            )
-            exchange.gather([job.update for job in split])
+        # 1. Gather every split matrix's pieces to its root, marked "has a gradient": one async all-to-all (bf16).
+        exchange = self._exchange(split) if split else None
+        if exchange is not None:
+            exchange.gather([job.update for job in split], [job.update is not None for job in split])
 
-        # 2. Meanwhile: weight decay everywhere (once per parameter), whole matrices on their owner.
-        decayed: dict[int, None] = {}
+        # 2. Meanwhile: whole matrices on their owner. Weight decay once per parameter, or per piece of a
+        # parameter with a split piece here (that piece's matrix may not step).
+        per_piece = {id(job.param) for job in split if job.holds_split_piece() and job.update is not None}
+        decayed: set[int] = set()
         for job in jobs:
-            if id(job.param) not in decayed:
-                decayed[id(job.param)] = None
+            if job.update is not None and id(job.param) not in per_piece and id(job.param) not in decayed:
+                decayed.add(id(job.param))
                 local_flat(job.param).mul_(1 - job.group["lr"] * job.group["weight_decay"])
         for job in jobs:
-            if not job.split and job.root == me and job.update.numel():
-                ortho = self._orthogonalize(job, job.update.view(job.shape))
-                job.local_param().add_(ortho.reshape(-1), alpha=-self._adjusted_lr(job))
+            if not job.split and job.root == me and job.update is not None and job.update.numel():
+                update = job.update.view(job.shape)
+                if update.dtype == torch.bfloat16:
+                    update = update.clone()  # Newton–Schulz normalizes a bf16 input in place
+                self._apply(job, self._orthogonalize(job, update).reshape(-1), id(job.param) in per_piece)
         if exchange is None:
             return
 
-        # 3. Roots: orthogonalize, send the pieces back (one async all-to-all), apply their own pieces meanwhile.
-        fulls = exchange.gathered()
-        results = {i: self._orthogonalize(split[i], full.view(split[i].shape)).reshape(-1) for i, full in fulls.items()}
-        exchange.scatter(results)
+        # 3. Roots: orthogonalize what every holder has a gradient for, send the pieces back marked "stepped"
+        # (one async all-to-all), finish their own pieces meanwhile; then every rank finishes the rest.
+        results: dict[int, torch.Tensor | None] = {}
+        for i, full in exchange.gathered().items():
+            job = split[i]
+            complete = all(
+                job.update is not None if rank == me else exchange.marks_in[(i, rank)]
+                for rank in range(len(job.pieces)) if job.piece_numel(rank)
+            )
+            results[i] = self._orthogonalize(job, full.view(job.shape)).reshape(-1) if complete else None
+        exchange.scatter(results, {i: result is not None for i, result in results.items()})
         for i, result in results.items():
-            start, end = split[i].piece(me)
-            split[i].local_param().add_(result[start:end], alpha=-self._adjusted_lr(split[i]))
+            if split[i].piece_numel(me):
+                self._finish_split(split[i], None if result is None else result[slice(*split[i].piece(me))])
         for i, piece in exchange.scattered().items():
-            split[i].local_param().add_(piece, alpha=-self._adjusted_lr(split[i]))
+            self._finish_split(split[i], piece if exchange.marks_out[i] else None)
+
+    def _exchange(self, split: list[_Job]) -> SplitExchange:
+        """The marked exchange of a shard group's split matrices, rebuilt only when they (or their roots) change."""
+        shard = split[0].shard
+        device = local_flat(split[0].param).device
+        key = (device, tuple((job.pieces, job.root) for job in split))
+        cached = self._exchanges.get(id(shard.process_group))
+        if cached is None or cached[0] != key:
+            exchange = SplitExchange(
+                [job.pieces for job in split], [job.root for job in split], shard.rank, shard.process_group,
+                torch.bfloat16, device, marked=True,
+            )
+            cached = self._exchanges[id(shard.process_group)] = (key, exchange)
+        return cached[1]
+
+    def _apply(self, job: _Job, ortho: torch.Tensor, decay: bool) -> None:
+        """This rank's piece of a matrix that steps: weight decay (unless the parameter had it) and the update."""
+        piece = job.local_param()
+        if decay:
+            piece.mul_(1 - job.group["lr"] * job.group["weight_decay"])
+        piece.add_(ortho, alpha=-self._adjusted_lr(job))
+
+    def _finish_split(self, job: _Job, ortho: torch.Tensor | None) -> None:
+        """This rank's piece of a split matrix: ``ortho`` applied if it stepped, else its momentum put back."""
+        if ortho is not None:
+            self._apply(job, ortho, decay=True)
+        elif job.old_momentum is not None:
+            job.local(self.state[job.param]["momentum_buffer"]).copy_(job.old_momentum)
 
     def _orthogonalize(self, job: _Job, matrix: torch.Tensor) -> torch.Tensor:
         group = job.group
-        if matrix.dtype == torch.bfloat16 and matrix.data_ptr() == job.update.data_ptr():
-            matrix = matrix.clone()  # Newton–Schulz normalizes a bf16 input in place
         return self.newton_schulz(matrix, group["ns_coefficients"], group["ns_steps"], group["eps"])
 
     @staticmethod

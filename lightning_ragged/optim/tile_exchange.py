@@ -13,8 +13,8 @@ it), in the same order on every rank. ``SplitExchange`` moves them:
 4. ``scattered()`` waits and returns this rank's piece of every result computed elsewhere.
 
 The split sizes follow from the pieces and roots alone, so every rank issues both collectives
-whatever it holds. With ``marked=True`` every piece travels with one *mark* (a 0/1 flag: Shampoo
-and SOAP send "this rank has a gradient" to the root and "the tile stepped" back), and every
+whatever it holds. With ``marked=True`` every piece travels with one *mark* (a 0/1 flag: Muon,
+Shampoo and SOAP send "this rank has a gradient" to the root and "the item stepped" back), and every
 rank sends every other rank one *status* value in the scatter (0: fine; Shampoo and SOAP report
 a failed eigendecomposition), so news reaches every rank, not only the items' holders.
 

@@ -8,6 +8,22 @@ machine with at least one CUDA device; it plans to finish in under 8 minutes on 
     and world 2 (NCCL when there are two GPUs; on one GPU NCCL is tried and, when it refuses
     two ranks on one device, gloo on CUDA tensors); pass: max |difference| <= 1e-5. In bf16
     (``MixedPrecisionPolicy``) ragged's and FSDP2's distances to the fp32 reference, side by side.
+    At world 1 the engine issues no collective (its single-rank path), so only world 2 runs the
+    comm streams (``engine/streams.py``).
+(a') **the comm streams under torch's CUDA sanitizer** (``TORCH_CUDA_SANITIZER=1``, which flags
+    kernels of different streams touching one tensor without an event between them), once more at
+    world 2 on the backend (a) used there, two cases of ``SANITIZED_STEPS`` AdamW steps:
+    ``bf16+keep`` (``keep_cast_shard=True``: the kept cast made on compute, read by the all-gather
+    stream, dropped at the optimizer step) against the same sharded run with it off: pass when
+    bitwise equal; ``fp32+fp8`` (``fp8_all_gather``: quantize on the all-gather stream, the full
+    buffer allocated and dequantized on compute at the wait) against one process whose Linear weights
+    are fake-quantized per tile before each forward (``tests/test_fp8_gather.py``'s oracle): pass when
+    every weight gathered before training equals the oracle bit for bit and the parameters after
+    training are within ``FP8_TOLERANCE``. A sanitizer report fails its case (its error is the
+    verdict). The sanitizer sees a collective as a read of its tensors (c10d schemas mark no
+    writes), so it checks the kernels around the collectives (casts, quantize, dequantize, the
+    optimizer, gradients) but not a read of a gathered buffer before its wait; ``tests/test_streams.py``
+    checks that order on CPU. On CPU (``--dry-run``) the cases run without the sanitizer.
 (b) **step time and memory**: ragged vs FSDP2 vs DDP on a ~1.1B-parameter Llama built from a
     transformers ``LlamaConfig`` (random init, nothing downloaded), bf16 compute with fp32
     master weights (DDP: fp32 weights under bf16 autocast), fused AdamW, one process per GPU.
@@ -34,9 +50,10 @@ import statistics
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -55,6 +72,9 @@ VARIANTS = ("ragged", "fsdp2", "ddp")
 PARITY_STEPS = 5
 PARITY_TOLERANCE = 1e-5
 PARITY_CASES = ("ragged/fp32/reduce_scatter", "ragged/fp32/all_reduce", "ragged/bf16/reduce_scatter", "fsdp2/bf16/-")
+SANITIZED_CASES = ("ragged/bf16+keep/reduce_scatter", "ragged/fp32+fp8/reduce_scatter")
+SANITIZED_STEPS = 3  # the sanitizer records a stack at each kernel: short, to stay inside the phase limit
+FP8_TOLERANCE = 1e-5  # as fp32 parity: the oracle quantizes the same masters, rounding order aside
 # TinyLlama-1.1B's shape: 1,100,048,384 parameters (untied head).
 LLAMA_1B = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
                 num_key_value_heads=4, vocab_size=32000, max_position_embeddings=2048, tie_word_embeddings=False)
@@ -67,13 +87,27 @@ NO_CUDA = ("benchmarks/gpu.py: no CUDA device (torch.cuda.is_available() is Fals
 
 
 # --------------------------------------------------------------------------- processes
-def _launch(fn: Callable, world: int, payload: dict, limit_s: float) -> tuple[dict | None, str | None]:
-    """Run ``fn(rank, world, init_file, payload, out)`` on ``world`` fresh processes; (rank 0's result, error)."""
+def _launch(
+    fn: Callable, world: int, payload: dict, limit_s: float, env: dict[str, str] | None = None
+) -> tuple[dict | None, str | None]:
+    """Run ``fn(rank, world, init_file, payload, out)`` on ``world`` fresh processes; (rank 0's result, error).
+
+    ``env``: variables the processes start with (read when they import torch), this process's restored after.
+    """
     handle, out = tempfile.mkstemp(prefix="ragged_gpu_out_")
     os.close(handle)
     init_file = out + ".init"
     args = (world, init_file, payload, out)
-    context = mp.start_processes(fn, args=args, nprocs=world, join=False, start_method="spawn")
+    saved = {name: os.environ.get(name) for name in env or {}}
+    os.environ.update(env or {})
+    try:
+        context = mp.start_processes(fn, args=args, nprocs=world, join=False, start_method="spawn")
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name)
+            else:
+                os.environ[name] = value
     deadline = time.monotonic() + limit_s
     try:
         while not context.join(timeout=2):
@@ -116,40 +150,59 @@ def parity_worker(rank: int, world: int, init_file: str, payload: dict, out: str
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     cfg = GPTConfig(**payload["gpt"])
-    data = make_batches(PARITY_STEPS, payload["batch"] * world, cfg).to(device)
+    data = make_batches(payload["steps"], payload["batch"] * world, cfg).to(device)
     cases = {}
     for case in payload["cases"]:
         try:
-            cases[case] = {"max_diff": _parity_case(case, cfg, data, rank, world, device)}
-        except Exception as error:  # noqa: BLE001 - recorded per case (e.g. a collective gloo lacks on CUDA)
+            cases[case] = _parity_case(case, cfg, data, rank, world, device, payload["fp8_tile"])
+        except Exception as error:  # noqa: BLE001 - per case (a collective gloo lacks, a sanitizer report)
             cases[case] = {"error": _first_line(error)}
     if rank == 0:
         torch.save({"cases": cases}, out)
     dist.destroy_process_group()
 
 
-def _parity_case(case: str, cfg: GPTConfig, data: torch.Tensor, rank: int, world: int, device: torch.device) -> float:
-    """Max |difference| of all parameters after PARITY_STEPS AdamW steps, sharded vs one process."""
+def _parity_case(
+    case: str, cfg: GPTConfig, data: torch.Tensor, rank: int, world: int, device: torch.device, tile: int
+) -> dict:
+    """Max |difference| of all parameters after ``len(data)`` AdamW steps between the sharded model and its
+    oracle: one process on the global batch (fp32+fp8: its Linear weights fake-quantized for each forward),
+    or, for bf16+keep, the same sharding with ``keep_cast_shard`` off. fp8: are the weights gathered before
+    training the oracle's, bit for bit."""
     import lightning_ragged as lr
     from torch.distributed.fsdp import MixedPrecisionPolicy
     from torch.distributed.fsdp import fully_shard as fsdp2_shard
 
     variant, precision, mode = case.split("/")
     bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    policy = bf16 if precision == "bf16" else None
+    policy = bf16 if precision.startswith("bf16") else None
+    knobs = {"bf16+keep": dict(keep_cast_shard=True), "fp32+fp8": dict(fp8_all_gather=lr.Float8AllGather(tile=tile))}
     reference, model = make_gpt(cfg).to(device), make_gpt(cfg).to(device)
     if variant == "ragged":
-        lr.fully_shard(model, mp_policy=policy, reduce_mode=mode, device=device)
+        lr.fully_shard(model, mp_policy=policy, reduce_mode=mode, device=device, **knobs.get(precision, {}))
     else:
         for block in model.blocks:
             fsdp2_shard(block, mp_policy=policy)
         fsdp2_shard(model, mp_policy=policy)
+    sharded_reference = precision == "bf16+keep"
+    if sharded_reference:
+        lr.fully_shard(reference, mp_policy=policy, reduce_mode=mode, device=device)
+    fp8_names = set()
+    outcome: dict[str, Any] = {}
+    if precision == "fp32+fp8":
+        fp8_names = {n for b in lr.get_state(model).dbuffers() if b.fp8_gather is not None for n in b.sharded_params}
+        outcome["gathered_exact"] = _gathered_exact(model, reference, fp8_names, tile)
     optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, reference)]
     per_rank = data.shape[1] // world
-    for step in range(PARITY_STEPS):
-        lm_loss(model, data[step, rank * per_rank : (rank + 1) * per_rank]).backward()
-        # the global batch's mean loss, summed as the ranks' equal shares (the same value, a closer rounding order)
-        sum(lm_loss(reference, share) for share in data[step].chunk(world)).div(world).backward()
+    for step in range(data.shape[0]):
+        local = data[step, rank * per_rank : (rank + 1) * per_rank]
+        lm_loss(model, local).backward()
+        if sharded_reference:
+            lm_loss(reference, local).backward()
+        else:
+            with _fake_quantized(reference, fp8_names, tile):
+                # the global batch's mean loss as the ranks' equal shares (same value, closer rounding order)
+                sum(lm_loss(reference, share) for share in data[step].chunk(world)).div(world).backward()
         for optimizer in optimizers:
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
@@ -157,8 +210,50 @@ def _parity_case(case: str, cfg: GPTConfig, data: torch.Tensor, rank: int, world
         full = lr.full_state_dict(model)
     else:
         full = {key: value.full_tensor() for key, value in model.state_dict().items()}
-    expected = reference.state_dict()
-    return max((full[key].float() - expected[key].float()).abs().max().item() for key in expected)
+    expected = lr.full_state_dict(reference) if sharded_reference else reference.state_dict()
+    outcome["max_diff"] = max((full[key].float() - expected[key].float()).abs().max().item() for key in expected)
+    return outcome
+
+
+@contextmanager
+def _fake_quantized(model: nn.Module, names: set[str], tile: int) -> Iterator[None]:
+    """For a forward and backward, the weights ``names`` (of the unsharded ``model``) as their per-tile fp8
+    quantize-dequantize; the masters restored after, the gradients kept (straight-through)."""
+    if not names:
+        yield
+        return
+    from tests.test_fp8_gather import reference_fake_quant
+
+    params = dict(model.named_parameters())
+    masters = {name: params[name].detach().clone() for name in names}
+    with torch.no_grad():
+        for name in names:
+            params[name].copy_(reference_fake_quant(masters[name], tile, torch.float8_e4m3fn, torch.float32)[0])
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for name in names:
+                params[name].copy_(masters[name])
+
+
+def _gathered_exact(model: nn.Module, reference: nn.Module, names: set[str], tile: int) -> bool:
+    """Every fp8 weight as the sharded model's all-gather writes it, against the oracle on the same masters."""
+    from tests.test_fp8_gather import reference_fake_quant
+
+    import lightning_ragged as lr
+
+    masters = dict(reference.named_parameters())
+    exact = bool(names)
+    for dbuffer in lr.get_state(model).dbuffers():
+        if dbuffer.fp8_gather is None:
+            continue
+        dbuffer.unshard()
+        for name, full in dbuffer.unsharded_params.items():
+            expected = reference_fake_quant(masters[name].detach(), tile, torch.float8_e4m3fn, torch.float32)[0]
+            exact = exact and torch.equal(full.detach(), expected)
+        dbuffer.reshard()
+    return exact
 
 
 # --------------------------------------------------------------------------- (b), (c) Llama
@@ -309,11 +404,13 @@ def run(args: argparse.Namespace) -> dict:
     device = "cpu" if dry else "cuda"
     gpus = 0 if dry else torch.cuda.device_count()
     gpt = GPT_TINY if dry else GPT_PARITY
-    common = {"device": device, "gpt": gpt, "batch": 4, "cases": PARITY_CASES}
+    common = {"device": device, "gpt": gpt, "batch": 4, "cases": PARITY_CASES, "steps": PARITY_STEPS,
+              "fp8_tile": 8 if dry else 128}
     parity: list[dict] = []
 
-    def parity_run(world: int, backend: str, why: str, limit_s: float = args.phase_limit_s) -> str | None:
-        result, error = _launch(parity_worker, world, {**common, "backend": backend}, limit_s=limit_s)
+    def parity_run(world: int, backend: str, why: str, limit_s: float = args.phase_limit_s, **extra: Any) -> str | None:
+        env = extra.pop("env", None)
+        result, error = _launch(parity_worker, world, {**common, "backend": backend, **extra}, limit_s, env)
         parity.append({"world": world, "backend": backend, "why": why, "error": error,
                        "cases": result["cases"] if result else {}})
         return error
@@ -325,6 +422,10 @@ def run(args: argparse.Namespace) -> dict:
         parity_run(2, "nccl", "two GPUs")
     elif parity_run(2, "nccl", "two ranks on one GPU", limit_s=min(45.0, args.phase_limit_s)) is not None:
         parity_run(2, "gloo", "NCCL refused two ranks on one GPU: gloo on CUDA tensors")
+    sanitized = ("(a') keep_cast_shard, fp8: no sanitizer on CPU" if dry
+                 else "(a') keep_cast_shard, fp8 under TORCH_CUDA_SANITIZER=1")
+    parity_run(2, parity[-1]["backend"], sanitized, cases=SANITIZED_CASES, steps=SANITIZED_STEPS,
+               env=None if dry else {"TORCH_CUDA_SANITIZER": "1"})
     world = 1 if dry else max(1, gpus)
     budget = max(30.0, args.budget_s - (time.monotonic() - started))
     payload = {
@@ -351,9 +452,15 @@ def _ratio(a: float, b: float) -> str:
 
 
 def _verdict(case: str, outcome: dict, cases: dict) -> str:
-    """fp32: against the tolerance; ragged bf16: its distance as a multiple of FSDP2's on the same run."""
+    """fp32: against the tolerance; keep_cast_shard: bitwise; fp8: gathered bitwise and trained within its tolerance;
+    ragged bf16: its distance as a multiple of FSDP2's on the same run."""
     if "/fp32/" in case:
         return "pass" if outcome["max_diff"] <= PARITY_TOLERANCE else "FAIL"
+    if "/bf16+keep/" in case:
+        return "pass (bitwise)" if outcome["max_diff"] == 0 else "FAIL (not bitwise)"
+    if "/fp32+fp8/" in case:
+        passed = outcome["gathered_exact"] and outcome["max_diff"] <= FP8_TOLERANCE
+        return ("pass" if passed else "FAIL") + f" (gathered bitwise: {outcome['gathered_exact']})"
     fsdp2 = cases.get("fsdp2/bf16/-", {}).get("max_diff")
     if case.startswith("ragged/") and fsdp2:
         return f"{outcome['max_diff'] / fsdp2:.2f} x FSDP2's distance"
@@ -363,7 +470,8 @@ def _verdict(case: str, outcome: dict, cases: dict) -> str:
 def _parity_lines(parity: list[dict]) -> list[str]:
     lines = [
         f"### (a) Parity: {PARITY_STEPS} AdamW steps vs one process on the global batch "
-        f"(benchmark GPT; fp32 without TF32 passes at <= {PARITY_TOLERANCE:g}; bf16 against the fp32 reference)",
+        f"(benchmark GPT; fp32 without TF32 passes at <= {PARITY_TOLERANCE:g}; bf16 against the fp32 reference); "
+        f"(a') {SANITIZED_STEPS} steps: bf16+keep against keep_cast_shard off, fp32+fp8 against fake-quantized weights",
         "",
         "| world | backend | why | case | max abs difference | |",
         "|---:|---|---|---|---:|---|",

@@ -18,7 +18,10 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 import lightning_ragged as lr
-from lightning_ragged.engine.fp8_gather import Fp8Gather
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from lightning_ragged.engine.events import EventKind
+from lightning_ragged.engine.fp8_gather import Fp8Gather, dequantize_into, float32_table, tile_grid, to_float32
 from lightning_ragged.layout.spec import TensorSpec
 from tests.models import lm_loss, make_batches, make_model
 from tests.test_fully_shard import BATCH, _local
@@ -193,13 +196,15 @@ def test_training_matches_single_process_fake_quant_and_tracks_bf16(dist_pool, w
     assert 1e-3 < gap < 0.05, mean  # fp8 visibly changed the weights, and only a little
 
 
-def check_copy_metric() -> dict:
+def check_copy_metric(keep: bool) -> dict:
     """``engine_copy_bytes`` for one step: an fp8 gather writes its chunk and the dequantized full buffer, a
-    plain bf16 gather one cast of the shard (block groups are gathered twice, the root once)."""
+    plain bf16 gather one cast of the shard (block groups are gathered twice, the root once); with
+    ``keep_cast_shard`` the backward re-gather reuses the forward's chunk or cast."""
     from lightning_ragged.observability.metrics import EngineMetrics
 
     model = lr.fully_shard(
-        make_model(), fp8_all_gather=lr.Float8AllGather(tile=4), mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+        make_model(), fp8_all_gather=lr.Float8AllGather(tile=4), mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16),
+        keep_cast_shard=keep,
     )
     metrics = EngineMetrics(model)
     lm_loss(model, _local(make_batches(1, BATCH)[0])).backward()
@@ -208,15 +213,158 @@ def check_copy_metric() -> dict:
     metrics.close()
     expected = 0
     for group in lr.get_state(model).all_groups:
+        gathers = 1 if group.is_root else 2
+        made = 1 if keep else gathers
         for b in group.dbuffers:
-            written = b.layout.segment_size * 2 if b.fp8_gather is None else b.fp8_gather.rank_bytes + b.full_numel * 2
-            expected += (1 if group.is_root else 2) * written
+            if b.fp8_gather is None:
+                expected += made * b.layout.segment_size * 2
+            else:
+                expected += made * b.fp8_gather.rank_bytes + gathers * b.full_numel * 2
     return dict(value=value, expected=expected)
 
 
-def test_copy_metric_counts_fp8_quantize_and_dequantize(dist_pool):
-    for result in dist_pool(2).run(check_copy_metric):
+@pytest.mark.parametrize("keep", [False, True], ids=["fresh", "kept"])
+def test_copy_metric_counts_fp8_quantize_and_dequantize(dist_pool, keep):
+    for result in dist_pool(2).run(check_copy_metric, keep):
         assert result["value"] == result["expected"] > 0
+
+
+# ------------------------------------------------------------------ CPU dequantization table
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_table_conversion_is_bitwise_torchs_cast_for_every_byte(dtype):
+    """Oracle: ``.to(torch.float32)`` of each of the 256 bytes (NaN and inf encodings included), as bit patterns,
+    through the same strided 4-D tile views the dequantization reads (partial tiles at both edges)."""
+    every = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    q = every.repeat(3)[: 27 * 28].view(27, 28).view(dtype)  # 756 bytes: every value, rows and cols not tile multiples
+    table = float32_table(dtype)
+    bits = lambda t: t.view(torch.int32)  # noqa: E731 (NaN != NaN: compare bit patterns)
+    assert torch.equal(bits(to_float32(every.view(dtype), table)), bits(every.view(dtype).float()))
+    strided = q[5:, 3:]  # not contiguous
+    assert torch.equal(bits(to_float32(strided, table)), bits(strided.float()))
+    tile = 8
+    grid = tile_grid(q.shape, tile)
+    scales = torch.rand(grid) + 0.5
+    with_table = torch.empty(q.shape, dtype=torch.float32)
+    with_cast = torch.empty(q.shape, dtype=torch.float32)
+    dequantize_into(with_table, q, scales, tile, table)
+    dequantize_into(with_cast, q, scales, tile)
+    assert torch.equal(bits(with_table), bits(with_cast))
+    assert torch.isnan(with_cast).any()  # the NaN encodings were part of it
+    on_cpu = Fp8Gather(lr.plan([TensorSpec("w", 16, 16)], 1), {"w": torch.Size([4, 4])}, 0,
+                       lr.Float8AllGather(tile=4, dtype=dtype), torch.device("cpu"))
+    assert (on_cpu.table is not None) == (dtype == torch.float8_e4m3fn)  # measured: e5m2's cast is faster on CPU
+
+
+# ------------------------------------------------------------------ kept chunk (keep=True)
+class _Gathers:
+    """Observer: all-gathers one DBuffer issued."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def on_event(self, event) -> None:
+        if event.kind is EventKind.UNSHARD_ISSUED and event.error is None:
+            self.count += 1
+
+
+def _train_and_count(keep: bool) -> dict:
+    """Train with one block's fp8 weights frozen, an evaluation forward after each step, then one in-place write."""
+    data = make_batches(STEPS, BATCH)
+    config = lr.Float8AllGather(tile=4)
+    model = make_model()
+    for param in model.blocks[0].parameters():
+        param.requires_grad_(False)
+    model = lr.fully_shard(model, fp8_all_gather=config, mp_policy=BF16)
+    counters = {}
+    for b in lr.get_state(model).dbuffers():
+        if b.fp8_gather is not None:
+            shapes = {name: p.shape for name, p in b.unsharded_params.items()}
+            b.fp8_gather = Fp8Gather(b.layout, shapes, b.rank, config, b.device, keep=keep)
+            counters[b] = _Gathers()
+            b.observers.append(counters[b])
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    losses = []
+    for step in range(STEPS):
+        loss = lm_loss(model, _local(data[step]))
+        loss.backward()  # the block groups re-gather here
+        optimizer.step()
+        optimizer.zero_grad()
+        with torch.no_grad():
+            losses.append((loss.item(), lm_loss(model, _local(data[step])).item()))  # an evaluation forward
+    modified = next(b for b in counters if b.trainable)
+    with torch.no_grad():  # no optimizer step: the shard's version counter must invalidate the kept chunk
+        next(iter(modified.sharded_params.values())).mul_(-2.0)
+        losses.append(lm_loss(model, _local(data[0])).item())
+    return {
+        "losses": losses,
+        "params": lr.full_state_dict(model),
+        "counts": [(b.fp8_gather.quantizations, c.count, b.trainable, b is modified) for b, c in counters.items()],
+    }
+
+
+def check_kept_chunk() -> dict:
+    """The same run with the quantized chunk kept (keep=True) and made at every gather (one after the other:
+    any optimizer's step drops every kept chunk, as every kept cast)."""
+    kept, fresh = _train_and_count(True), _train_and_count(False)
+    return {
+        "same": kept["losses"] == fresh["losses"]
+        and all(torch.equal(kept["params"][n], fresh["params"][n]) for n in fresh["params"]),
+        "kept": kept["counts"],
+        "fresh": fresh["counts"],
+    }
+
+
+def test_kept_chunk_quantizes_once_per_step_and_trains_identically(dist_pool):
+    for result in dist_pool(2).run(check_kept_chunk):
+        assert result["same"]  # losses and parameters bitwise
+        assert all(made == gathers for made, gathers, *_ in result["fresh"])  # keep=False: every gather quantizes
+        assert {trainable for *_, trainable, _ in result["kept"]} == {True, False}  # frozen fp8 DBuffers are in it
+        for made, gathers, _, modified in result["kept"]:
+            # step 1's forward, then each step's evaluation forward (the optimizer step dropped the chunk; the
+            # next forward and its backward re-gather reuse it), frozen ones too; + the in-place write
+            assert made == STEPS + 1 + modified < gathers, result["kept"]
+
+
+# ------------------------------------------------------------------ flight-recorder signatures
+class _IssuedCollectives(TorchDispatchMode):
+    """What the process group really receives: (collective, input elements, output elements) of each c10d op."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[tuple[str, int, int]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if "allgather" in str(func).replace("_", ""):
+            output, source = args[0], args[1]
+            self.seen.append(("all_gather", source.numel(), output.numel()))
+        return func(*args, **(kwargs or {}))
+
+
+def check_signatures() -> dict:
+    from lightning_ragged.observability import flight_recorder
+    from lightning_ragged.observability.metrics import EngineMetrics
+
+    model = lr.fully_shard(make_model(), fp8_all_gather=lr.Float8AllGather(tile=4), mp_policy=BF16)
+    metrics = EngineMetrics(model)
+    items = [(info.label, info.dbuffer) for probe in metrics.probes for info in probe.dbuffers]
+    signatures = flight_recorder.collective_signatures(items)
+    with _IssuedCollectives() as issued:
+        lm_loss(model, _local(make_batches(1, BATCH)[0])).backward()
+    metrics.close()
+    plain_keys = {("all_gather", b.layout.segment_size, b.layout.buffer_numel) for _, b in items}
+    return {
+        "named": {key: signatures.get(key) for key in issued.seen},
+        "fp8_labels": {label for label, b in items if b.fp8_gather is not None},
+        "not_plain": {key for key in issued.seen if key not in plain_keys},
+    }
+
+
+def test_flight_recorder_signatures_name_the_fp8_gathers_the_engine_issues(dist_pool):
+    for result in dist_pool(2).run(check_signatures):
+        assert result["named"] and all(result["named"].values()), result["named"]  # every issued gather is named
+        named = {label for names in result["named"].values() for label in names.split(" or ")}
+        assert result["fp8_labels"] and result["fp8_labels"] <= named
+        assert result["not_plain"]  # fp8 gathers' sizes are no layout's (segment, full): the old keys missed them
 
 
 # ------------------------------------------------------------------ bad input

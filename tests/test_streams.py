@@ -2,16 +2,20 @@
 
 There is no accelerator here, so fake streams are injected: they log every ``wait_stream``,
 ``wait_event``, ``record_event`` and stream entry in program order, which is the order the
-device would see them. A dispatch mode logs each collective with the stream current at its
-issue, an observer logs the DBuffers' events, and hooks on the modules log each use of a
-group's parameters. The oracles: the ordering rules of ``streams.py`` checked on that log,
-the single-process model (parity), counts derived from the number of DBuffers, and the same
-training with the knob off (bitwise).
+device would see them. A dispatch mode logs each kernel with the stream current at it (the
+storages it touched and created; collectives by name), finalizers log the death of storages a
+side stream read, an observer logs the DBuffers' events, and hooks on the modules log each use
+of a group's parameters. The oracles: the ordering and memory rules of ``streams.py`` checked on
+that log, the single-process model (parity; for fp8 with the per-tile fake-quantization of
+``test_fp8_gather.py``), the same sharded training on the CPU's no-op streams (bitwise), the
+storage actually allocated (the probe's byte gauges), counts derived from the number of DBuffers,
+and the same training with the knob off (bitwise).
 """
 
 from __future__ import annotations
 
 import itertools
+import weakref
 
 import pytest
 import torch
@@ -21,12 +25,16 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 import lightning_ragged as lr
-from lightning_ragged.engine.streams import CommStreams
+from lightning_ragged.engine import streams as streams_module
+from lightning_ragged.engine.streams import NO_STREAMS, CommStreams
 from tests.models import lm_loss, make_batches, make_model
+from tests.test_fp8_gather import _fake_quant_step
 from tests.test_fully_shard import BATCH, _local, _max_diff
 
 WORLD_SIZES = [2, 3]
 STEPS = 3
+MIXED = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+FP8_TILE = 4
 
 
 # ------------------------------------------------------------------ the log
@@ -69,29 +77,77 @@ class FakeStream:
         self.recorder.log.append(("exit", self.name))
 
 
-class CollectiveLog(TorchDispatchMode):
-    """Logs every c10d collective with the stream current at its issue, its dtype kind and size."""
+def _sid(tensor: torch.Tensor) -> int:
+    """A storage's identity (stable across ``resize_``; reused only after it died)."""
+    return tensor.untyped_storage()._cdata
+
+
+class KernelLog(TorchDispatchMode):
+    """Logs every c10d collective with the stream current at its issue, its dtype kind; and every kernel (views
+    excluded: they touch no memory) as ("op", stream, "namespace::name", storages touched, storages created). Made
+    on compute and touched by a side stream, a storage gets a finalizer that logs ("dead", storage) when it is
+    freed (what a backend allocates inside a collective is the side stream's, as the buffers made there)."""
 
     def __init__(self, recorder: Recorder) -> None:
         super().__init__()
         self.recorder = recorder
+        self.made_on_compute: dict[int, weakref.ref] = {}
+        self.watched: set[int] = set()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        stream, name = self.recorder.current().name, func._schema.name
         if func.namespace == "c10d":
-            tensor = next(t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))
-            name = func._schema.name.split("::")[1]
-            self.recorder.log.append(("collective", name, self.recorder.current().name, tensor.is_floating_point()))
-        return func(*args, **(kwargs or {}))
+            self.recorder.log.append(("collective", name.split("::")[1], stream, inputs[0].is_floating_point()))
+        out = func(*args, **kwargs)
+        if func.is_view or func is torch.ops.aten.set_.source_Storage_storage_offset:
+            return out
+        touched = {_sid(t) for t in inputs}
+        created = {_sid(t) for t in tree_leaves(out) if isinstance(t, torch.Tensor)} - touched
+        self.recorder.log.append(("op", stream, name, frozenset(touched | created), frozenset(created)))
+        if stream == "compute":
+            for tensor in tree_leaves(out):
+                if isinstance(tensor, torch.Tensor) and _sid(tensor) in created:
+                    self.made_on_compute[_sid(tensor)] = weakref.ref(tensor.untyped_storage())
+            return out
+        for tensor in inputs:
+            storage, sid = tensor.untyped_storage(), _sid(tensor)
+            made = self.made_on_compute.get(sid)
+            if sid not in self.watched and made is not None and made() is storage:
+                self.watched.add(sid)
+                weakref.finalize(storage, self._dead, sid)
+        return out
+
+    def _dead(self, sid: int) -> None:
+        self.watched.discard(sid)
+        self.recorder.log.append(("dead", sid))
 
 
 class EventLog:
-    """Observer: every DBuffer event, by the DBuffer's index."""
+    """Observer: every DBuffer event, by the DBuffer's index, and whether its full buffer is allocated then."""
 
     def __init__(self, recorder: Recorder, index: dict[int, int]) -> None:
         self.recorder, self.index = recorder, index
 
     def on_event(self, event) -> None:
-        self.recorder.log.append(("dbuffer", event.kind.name, self.index[id(event.dbuffer)]))
+        allocated = event.dbuffer.unsharded.untyped_storage().nbytes() > 0
+        self.recorder.log.append(("dbuffer", event.kind.name, self.index[id(event.dbuffer)], allocated))
+
+
+class ProbeCheck:
+    """Observer after the probe's: its full-buffer gauge against the storage really allocated, at every event."""
+
+    def __init__(self, engine_probe, dbuffers: list) -> None:
+        self.probe, self.dbuffers = engine_probe, dbuffers
+        self.mismatches: list[tuple[int, int]] = []
+        self.actual_peak = 0
+
+    def on_event(self, event) -> None:
+        actual = sum(b.unsharded.untyped_storage().nbytes() for b in self.dbuffers if not b.full_is_shard)
+        self.actual_peak = max(self.actual_peak, actual)
+        if self.probe.unsharded_bytes != actual:
+            self.mismatches.append((self.probe.unsharded_bytes, actual))
 
 
 class TimingEvents:
@@ -134,22 +190,39 @@ def instrument(model, recorder: Recorder) -> dict[int, int]:
 
 
 def check_log(log: list[tuple], ordered: bool, hsdp: bool) -> dict:
-    """The ordering rules of ``streams.py`` on a log; the violations found and what was seen."""
+    """The ordering and memory rules of ``streams.py`` on a log; the violations found and what was seen.
+
+    An event recorded on a stream is finished for compute once compute waited it or a later event of that
+    stream (a stream runs in order). Rule 1: a side stream is entered right after it waited for compute.
+    Rule 2: compute uses a group only after waiting its all-gather, steps only after waiting every reduction.
+    Rule 3: compute touches nothing a side stream touched before waiting that stream's event (so nothing
+    allocated there is read early); a storage a side stream read dies, a full buffer is freed (RESHARDED)
+    and a gradient buffer is freed only after compute waited the event of the last collective on them.
+    """
     problems: list[str] = []
     waited: set[int] = set()
+    stream_of: dict[int, str] = {}
+    done: dict[str, int] = {}
+    touched_by: dict[int, int] = {}  # storage -> the latest side event that touched it
+    span_storages: set[int] = set()
     unclaimed: dict[str, int] = {}
     gather_event: dict[int, int] = {}
     reduce_event: dict[int, int] = {}
+    allocated: dict[str, dict[int, set[bool]]] = {"UNSHARD_ISSUED": {}, "UNSHARD_WAITED": {}}
     spans: dict[str, list[list[str]]] = {"all_gather": [], "reduce": []}
     span: list[str] | None = None
-    seen = dict(uses=0, frees=0, steps=0)
+    seen = dict(uses=0, frees=0, steps=0, resharded=0, deaths=0, compute_reads=0)
     previous = None
+
+    def finished(event: int | None) -> bool:
+        return event is not None and event <= done.get(stream_of.get(event, ""), -1)
+
     for i, entry in enumerate(log):
         kind = entry[0]
         if kind == "enter":
             if previous != ("wait_stream", entry[1], "compute"):
                 problems.append(f"{i}: entered {entry[1]} without waiting for compute right before")
-            span = []
+            span, span_storages = [], set()
         elif kind == "exit":
             spans[entry[1]].append(span)
             span = None
@@ -160,10 +233,14 @@ def check_log(log: list[tuple], ordered: bool, hsdp: bool) -> dict:
             if span is None:
                 problems.append(f"{i}: event recorded on {entry[1]} outside its span")
             unclaimed[entry[1]] = entry[2]
+            stream_of[entry[2]] = entry[1]
+            touched_by.update(dict.fromkeys(span_storages, entry[2]))
         elif kind == "wait_event":
             if entry[1] != "compute":
                 problems.append(f"{i}: {entry[1]} waited an event (only compute does)")
             waited.add(entry[2])
+            stream = stream_of[entry[2]]
+            done[stream] = max(done.get(stream, -1), entry[2])
         elif kind == "collective":
             _, name, stream, floating = entry
             if "allgather" in name and stream != "all_gather":
@@ -173,17 +250,38 @@ def check_log(log: list[tuple], ordered: bool, hsdp: bool) -> dict:
                     problems.append(f"{i}: gradient reduction {name} issued on {stream}")
             if span is not None:
                 span.append(name)
+        elif kind == "op":
+            _, stream, name, touched, created = entry
+            for sid in created:  # a new storage (maybe at a dead one's address): nothing touched it yet
+                touched_by.pop(sid, None)
+            if stream != "compute":
+                span_storages |= touched
+            elif not (name.startswith("c10d::") and hsdp and not ordered):  # CPU order: the replica at the wait
+                early = [sid for sid in touched if sid in touched_by and not finished(touched_by[sid])]
+                seen["compute_reads"] += sum(1 for sid in touched if sid in touched_by)
+                if early:
+                    problems.append(f"{i}: compute ran {name} on memory a side stream touched, before waiting it")
+        elif kind == "dead":
+            seen["deaths"] += 1
+            if entry[1] in touched_by and not finished(touched_by.pop(entry[1])):
+                problems.append(f"{i}: a tensor a side stream read was freed before compute waited that stream")
         elif kind == "dbuffer":
-            _, event, d = entry
+            _, event, d, is_allocated = entry
+            if event in allocated:
+                allocated[event].setdefault(d, set()).add(is_allocated)
             if event == "UNSHARD_ISSUED":
                 gather_event[d] = unclaimed.pop("all_gather", None)
             elif event == "REDUCE_ISSUED":
                 reduce_event[d] = unclaimed.pop("reduce", None)
             elif event == "UNSHARD_WAITED" and gather_event.get(d) not in waited:
                 problems.append(f"{i}: all-gather of DBuffer {d} waited without compute waiting its event")
+            elif event == "RESHARDED":
+                seen["resharded"] += 1
+                if not finished(gather_event.get(d)):
+                    problems.append(f"{i}: full buffer {d} freed before compute waited its latest all-gather")
             elif event == "GRAD_BUFFER_FREED":
                 seen["frees"] += 1
-                if d in reduce_event and reduce_event[d] not in waited:
+                if d in reduce_event and not finished(reduce_event[d]):
                     problems.append(f"{i}: gradient buffer {d} freed before compute waited its reduction")
         elif kind == "use":
             seen["uses"] += 1
@@ -194,12 +292,13 @@ def check_log(log: list[tuple], ordered: bool, hsdp: bool) -> dict:
             seen["steps"] += 1
             if not set(reduce_event.values()) <= waited:
                 problems.append(f"{i}: optimizer step before compute waited every reduction")
-        previous = entry
+        if kind != "dead":  # a finalizer may run on a backend thread at any point
+            previous = entry
     if unclaimed:
         problems.append(f"events recorded but no collective issued after them: {unclaimed}")
     if None in gather_event.values() or None in reduce_event.values():
         problems.append("a collective was issued without an event recorded on its stream")
-    return dict(problems=problems[:10], spans=spans, **seen)
+    return dict(problems=problems[:10], spans=spans, allocated=allocated, **seen)
 
 
 def _hsdp_groups() -> dict:
@@ -210,68 +309,125 @@ def _hsdp_groups() -> dict:
     return dict(process_group=shard, replicate_group=replicate)
 
 
-def check_schedule(streams: str, hsdp: bool, reduce_mode: str | None) -> dict:
-    """STEPS AdamW steps with no-op or fake streams; the log's verdict, counts and the distance to one process."""
+KNOBS = {  # the fully_shard arguments of each configuration
+    "fp32": {},
+    "bf16": dict(mp_policy=MIXED),
+    "keep-cast": dict(mp_policy=MIXED, keep_cast_shard=True),
+    "fp8": dict(fp8_all_gather=lr.Float8AllGather(tile=FP8_TILE)),
+    "fp8-keep": dict(fp8_all_gather=lr.Float8AllGather(tile=FP8_TILE), keep_cast_shard=True),  # the chunk kept
+}
+
+
+def check_schedule(streams: str, hsdp: bool, reduce_mode: str | None, knob: str) -> dict:
+    """STEPS AdamW steps with no-op or fake streams; the log's verdict, counts and the distance to the oracle:
+    one process (fp32; fp8: fake-quantized weights), or the same sharding on no-op streams, keep_cast_shard off."""
     from lightning_ragged.observability.metrics import EngineMetrics
+    from lightning_ragged.observability.probes import probe
 
     kwargs = dict(_hsdp_groups() if hsdp else {}, reduce_mode=reduce_mode)
     data = make_batches(STEPS, BATCH)
-    model = lr.fully_shard(make_model(), **kwargs)
+    model = lr.fully_shard(make_model(), **kwargs, **KNOBS[knob])
     state = lr.get_state(model)
+    dbuffers = list(state.dbuffers())
     recorder = Recorder(ordered=streams == "ordered")
     timing = TimingEvents(recorder)
+    noop_streams = state.comm_streams is NO_STREAMS  # what a CPU model gets
     if streams != "noop":
         instrument(model, recorder)
         metrics = EngineMetrics(model, event_factory=timing)  # the probe's timer records on the comm streams
-    reference = make_model()
+        probe_check = ProbeCheck(probe(model), dbuffers)  # the probe EngineMetrics subscribed
+        for dbuffer in dbuffers:
+            dbuffer.observers.append(probe_check)
+    sharded_reference = "mp_policy" in KNOBS[knob]
+    reference = lr.fully_shard(make_model(), **kwargs, mp_policy=MIXED) if sharded_reference else make_model()
+    fp8_names = {name for b in dbuffers if b.fp8_gather is not None for name in b.sharded_params}
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     opt.register_step_pre_hook(lambda *_: recorder.log.append(("step",)))
+    opt.register_step_post_hook(lambda *_: recorder.log.append(("stepped",)))
     reference_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
     for step in range(STEPS):
-        with CollectiveLog(recorder):
+        with KernelLog(recorder):
             lm_loss(model, _local(data[step])).backward()
             opt.step()
         opt.zero_grad()
-        lm_loss(reference, data[step]).backward()
+        if sharded_reference:
+            lm_loss(reference, _local(data[step])).backward()
+        elif fp8_names:
+            _fake_quant_step(reference, fp8_names, data[step], FP8_TILE)
+        else:
+            lm_loss(reference, data[step]).backward()
         reference_opt.step()
         reference_opt.zero_grad()
     if streams != "noop":
         metrics.close()
-    segments = sum(b.layout.segment_size * b.unsharded_grad.element_size() for b in state.dbuffers())
+    full = lr.full_state_dict(model)
+    if sharded_reference:
+        expected = lr.full_state_dict(reference)
+        max_diff = max((full[k].float() - expected[k].float()).abs().max().item() for k in expected)
+    else:
+        max_diff = _max_diff(full, reference)
+    segments = sum(b.layout.segment_size * b.unsharded_grad.element_size() for b in dbuffers)
     return {
         **check_log(recorder.log, streams == "ordered", hsdp),
         "stats": vars(state.stats).copy(),
-        "dbuffers": len(list(state.dbuffers())),
+        "dbuffers": len(dbuffers),
+        "fp8_dbuffers": {i for i, b in enumerate(dbuffers) if b.fp8_gather is not None},
         "segment_bytes": segments,
         "timing_streams": sorted(set(timing.streams)),
         "timed_on": {name: timing.streams.count(name) for name in ("all_gather", "reduce")},
-        "max_diff": _max_diff(lr.full_state_dict(model), reference),
+        "max_diff": max_diff,
+        "noop_streams": noop_streams,
+        "source_streams": _source_streams(recorder.log, {_sid(b.sharded) for b in dbuffers}),
+        "probe": None if streams == "noop" else (probe_check.mismatches[:5], probe_check.probe.unsharded_peak_bytes,
+                                                probe_check.actual_peak),
     }
 
 
-CASES = {  # (streams, reduce_mode): the device schedule (ordered: synchronous collectives on the comm streams)
-    "noop": ("noop", None),  # and the CPU one (the backend's async_op, Work.wait() at the wait)
-    "fake-ordered-reduce-scatter": ("ordered", "reduce_scatter"),
-    "fake-unordered-all-reduce": ("unordered", "all_reduce"),
+def _source_streams(log: list[tuple], shards: set[int]) -> list[str]:
+    """The streams of the kernels that read a shard to make an all-gather's source (a cast, an fp8 quantization):
+    every kernel on a shard but the collectives (fp32 sends the shard itself) and the optimizer step's."""
+    streams, stepping = set(), False
+    for entry in log:
+        stepping = entry[0] == "step" or (stepping and entry[0] != "stepped")
+        if entry[0] == "op" and not stepping and not entry[2].startswith("c10d::") and entry[3] & shards:
+            streams.add(entry[1])
+    return sorted(streams)
+
+
+CASES = {  # (streams, reduce_mode, knob): the device schedule (ordered: synchronous collectives on the comm streams)
+    "noop": ("noop", None, "fp32"),  # and the CPU one (the backend's async_op, Work.wait() at the wait)
+    "fake-ordered-reduce-scatter": ("ordered", "reduce_scatter", "fp32"),
+    "fake-unordered-all-reduce": ("unordered", "all_reduce", "fp32"),
+    "fake-ordered-bf16": ("ordered", "reduce_scatter", "bf16"),
+    "fake-ordered-keep-cast": ("ordered", "reduce_scatter", "keep-cast"),
+    "fake-ordered-fp8": ("ordered", "all_reduce", "fp8"),
+    "fake-ordered-fp8-keep": ("ordered", "reduce_scatter", "fp8-keep"),
 }
+SOURCE_STREAMS = {  # where a gather's source is made from the shard: a fresh one beside compute, a kept one on it
+    "fp32": [], "bf16": ["all_gather"], "keep-cast": ["compute"], "fp8": ["all_gather"], "fp8-keep": ["compute"],
+}
+KEPT = ("keep-cast", "fp8-keep")
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 @pytest.mark.parametrize("case", list(CASES))
 def test_schedule_orders_streams_and_matches_single_process(dist_pool, world_size, case):
-    streams, reduce_mode = CASES[case]
+    streams, reduce_mode, knob = CASES[case]
     for hsdp in (False, True):
-        for result in dist_pool(world_size).run(check_schedule, streams, hsdp, reduce_mode):
+        for result in dist_pool(world_size).run(check_schedule, streams, hsdp, reduce_mode, knob):
             stats, dbuffers = result["stats"], result["dbuffers"]
-            assert result["max_diff"] <= 1e-5, (hsdp, result)
+            # one process: the fp32 parity bound of the engine's tests; bitwise against the same sharding
+            assert result["max_diff"] <= (0.0 if knob in ("bf16", "keep-cast") else 1e-5), (hsdp, result["max_diff"])
             assert stats["reduces"] == STEPS * dbuffers, stats
             replicas = stats["reduces"] if hsdp else 0  # one replica all-reduce per reduction, of its segment
             assert stats["replica_all_reduces"] == replicas, stats
             assert stats["replica_all_reduce_bytes"] == (STEPS * result["segment_bytes"] if hsdp else 0), stats
+            assert result["noop_streams"]  # a CPU model runs on no-op streams (the fakes replace them here)
             if streams == "noop":
-                assert result["spans"] == {"all_gather": [], "reduce": []}  # nothing was logged: no fakes
                 continue
             assert result["problems"] == [], (hsdp, result["problems"])
+            assert result["compute_reads"] > 0 and result["resharded"] > 0  # the memory checks saw something
+            assert (result["deaths"] > 0) == (knob in KEPT), result["deaths"]  # compute's kept sources, freed
             gathers, reduces = result["spans"]["all_gather"], result["spans"]["reduce"]
             assert len(gathers) == stats["all_gathers"] and all(len(span) == 1 for span in gathers), gathers
             chained = 2 if hsdp and streams == "ordered" else 1  # HSDP on a device: the replica on the reduce stream
@@ -280,6 +436,70 @@ def test_schedule_orders_streams_and_matches_single_process(dist_pool, world_siz
             # timing events: the start and wait points on compute, the completion on the comm stream it ran on
             expected_timed = {"all_gather": stats["all_gathers"], "reduce": stats["reduces"]}
             assert result["timed_on"] == (expected_timed if streams == "ordered" else {"all_gather": 0, "reduce": 0})
+            assert result["source_streams"] == SOURCE_STREAMS[knob], result["source_streams"]
+            # an fp8 DBuffer's full buffer exists from its wait on (the dequantize), every other one from its issue
+            fp8 = result["fp8_dbuffers"]
+            assert bool(fp8) == knob.startswith("fp8")
+            issued, waited = result["allocated"]["UNSHARD_ISSUED"], result["allocated"]["UNSHARD_WAITED"]
+            assert issued and all(issued[d] == {d not in fp8} for d in issued), issued
+            assert all(waited[d] == {True} for d in waited) and set(waited) == set(issued), waited
+            mismatches, peak, actual_peak = result["probe"]
+            assert mismatches == [] and peak == actual_peak > 0, result["probe"]  # the probe counts real storage
+
+
+def _schedule_log() -> list[tuple]:
+    """A correct log: a kept cast K of shard S gathered into full buffer F, used, freed; gradient buffer G reduced."""
+    S, K, F, A, G, H = range(6)
+    return [
+        ("op", "compute", "aten::_to_copy", {S, K}, {K}),
+        ("wait_stream", "all_gather", "compute"), ("enter", "all_gather"),
+        ("collective", "_allgather_base_", "all_gather", True),
+        ("op", "all_gather", "c10d::_allgather_base_", {F, K}, set()),
+        ("record", "all_gather", 0), ("exit", "all_gather"), ("dbuffer", "UNSHARD_ISSUED", 0, True),
+        ("wait_event", "compute", 0), ("dbuffer", "UNSHARD_WAITED", 0, True),
+        ("use", "forward", (0,)), ("op", "compute", "aten::mm", {F, A}, {A}),
+        ("dbuffer", "RESHARDED", 0, False), ("dead", K),
+        ("op", "compute", "aten::zero_", {G}, set()),
+        ("wait_stream", "reduce", "compute"), ("enter", "reduce"),
+        ("collective", "allreduce_", "reduce", True), ("op", "reduce", "c10d::allreduce_", {G}, set()),
+        ("record", "reduce", 1), ("exit", "reduce"), ("dbuffer", "REDUCE_ISSUED", 0, True),
+        ("wait_event", "compute", 1), ("dbuffer", "REDUCE_WAITED", 0, True),
+        ("op", "compute", "aten::mul", {G, H}, {H}), ("dbuffer", "GRAD_BUFFER_FREED", 0, True), ("step",),
+    ]
+
+
+def _before(log: list[tuple], entry: tuple, anchor: tuple) -> list[tuple]:
+    """``log`` with ``entry`` moved right before ``anchor``."""
+    moved = [e for e in log if e != entry]
+    moved.insert(moved.index(anchor), entry)
+    return moved
+
+
+GATHERED, REDUCED = ("wait_event", "compute", 0), ("wait_event", "compute", 1)
+BROKEN = {  # one rule broken each: (the log, what check_log must say)
+    "used before the wait": (lambda log: _before(log, GATHERED, ("dbuffer", "RESHARDED", 0, False)),
+                             ["forward use of DBuffer 0 before", "compute ran aten::mm on memory a side stream"]),
+    "full buffer freed early": (lambda log: _before(log, ("dbuffer", "RESHARDED", 0, False), GATHERED),
+                                ["full buffer 0 freed before compute waited its latest all-gather"]),
+    "kept cast freed early": (lambda log: _before(log, ("dead", 1), GATHERED),
+                              ["a tensor a side stream read was freed before compute waited"]),
+    "gradient buffer freed early": (lambda log: _before(log, ("dbuffer", "GRAD_BUFFER_FREED", 0, True), REDUCED),
+                                    ["gradient buffer 0 freed before compute waited its reduction"]),
+    "reduced segment read early": (lambda log: _before(log, ("op", "compute", "aten::mul", {4, 5}, {5}), REDUCED),
+                                   ["compute ran aten::mul on memory a side stream touched"]),
+    "stepped early": (lambda log: _before(log, ("step",), REDUCED), ["optimizer step before compute waited"]),
+    "side stream did not wait": (lambda log: [e for e in log if e != ("wait_stream", "all_gather", "compute")],
+                                 ["entered all_gather without waiting for compute"]),
+}
+
+
+@pytest.mark.parametrize("broken", list(BROKEN))
+def test_check_log_flags_each_broken_rule(broken):
+    """The log checker itself: silent on a correct log, naming the rule on a log that breaks one."""
+    assert check_log(_schedule_log(), ordered=True, hsdp=False)["problems"] == []
+    make, expected = BROKEN[broken]
+    problems = check_log(make(_schedule_log()), ordered=True, hsdp=False)["problems"]
+    assert all(any(text in p for p in problems) for text in expected), problems
 
 
 def test_timer_takes_completion_from_the_comm_stream() -> None:
@@ -314,7 +534,6 @@ def test_timer_takes_completion_from_the_comm_stream() -> None:
 
 
 # -------------------------------------------------------------- keep_cast_shard
-MIXED = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
 
 
 class _Casts(TorchDispatchMode):
@@ -330,7 +549,9 @@ class _Casts(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _train(keep: bool, fused: bool, accumulate: bool) -> dict:
+def _train(keep: bool, fused: bool, mode: str) -> dict:
+    """STEPS steps: one batch ("plain"), two micro-batches, the first under no_sync ("accumulate"), or the same with
+    the last micro-batch's forward and backward in the closure of ``opt.step(closure)``, as Lightning runs them."""
     model = lr.fully_shard(make_model(), mp_policy=MIXED, keep_cast_shard=keep)
     state = lr.get_state(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=fused)
@@ -340,17 +561,24 @@ def _train(keep: bool, fused: bool, accumulate: bool) -> dict:
     for step in range(STEPS):
         before = casts.count
         local = _local(data[step])
+        last = local
         with casts:
-            if accumulate:
-                first, second = local.chunk(2)
-                with lr.no_sync(model):
+            if mode != "plain":
+                first, last = local.chunk(2)
+                with lr.no_sync(model):  # after a closure step: must not see the cast of the weights before it
                     (lm_loss(model, first) * len(first) / len(local)).backward()
-                loss = lm_loss(model, second) * len(second) / len(local)
+
+            def closure() -> torch.Tensor:
+                loss = lm_loss(model, last) * len(last) / len(local)
+                loss.backward()
+                kept.append(sum(b.shard_cast.kept_bytes for b in state.dbuffers()))
+                return loss
+
+            if mode == "closure":
+                loss = opt.step(closure)
             else:
-                loss = lm_loss(model, local)
-            loss.backward()
-            kept.append(sum(b.shard_cast.kept_bytes for b in state.dbuffers()))
-            opt.step()
+                loss = closure()
+                opt.step()
         opt.zero_grad()
         per_step.append(casts.count - before)
         losses.append(loss.item())
@@ -365,9 +593,11 @@ def _train(keep: bool, fused: bool, accumulate: bool) -> dict:
                 cast_bytes=sum(b.layout.segment_size * 2 for b in state.dbuffers()))
 
 
+KEEP_RUNS = ((False, "plain"), (True, "plain"), (True, "accumulate"), (True, "closure"))  # (fused AdamW, mode)
+
+
 def check_keep_cast_shard() -> dict:
-    runs = {(keep, fused, accumulate): _train(keep, fused, accumulate)
-            for keep in (False, True) for fused, accumulate in ((False, False), (True, False), (True, True))}
+    runs = {(keep, fused, mode): _train(keep, fused, mode) for keep in (False, True) for fused, mode in KEEP_RUNS}
     try:
         lr.fully_shard(make_model(), keep_cast_shard="yes")
         refused = "no error"
@@ -380,15 +610,54 @@ def check_keep_cast_shard() -> dict:
 def test_keep_cast_shard_casts_once_per_step_with_identical_numerics(dist_pool, world_size):
     for result in dist_pool(world_size).run(check_keep_cast_shard):
         runs = result["runs"]
-        for (fused, accumulate) in ((False, False), (True, False), (True, True)):
-            off, on = runs[(False, fused, accumulate)], runs[(True, fused, accumulate)]
+        for fused, mode in KEEP_RUNS:
+            off, on = runs[(False, fused, mode)], runs[(True, fused, mode)]
             blocks, root = on["blocks"], on["root"]
-            micro = 2 if accumulate else 1
+            micro = 1 if mode == "plain" else 2
             assert off["casts"] == [micro * (2 * blocks + root)] * STEPS, off["casts"]  # blocks twice, root once
-            assert on["casts"] == [blocks + root] * STEPS, on["casts"]  # once per DBuffer per optimizer step
+            # once per DBuffer per optimizer step; a closure's forward comes after the step's pre-hook dropped them
+            forwards = 2 if mode == "closure" else 1
+            assert on["casts"] == [forwards * (blocks + root)] * STEPS, (mode, on["casts"])
             assert on["kept"] == [on["cast_bytes"]] * STEPS and off["kept"] == [0] * STEPS
-            # bitwise: the kept cast is the cast; a stale one (e.g. missed by fused AdamW) changes the losses
-            assert on["losses"] == off["losses"], (fused, accumulate)
-            assert all(torch.equal(on["full"][k], off["full"][k]) for k in off["full"]), (fused, accumulate)
+            # bitwise: the kept cast is the cast; a stale one (missed by fused AdamW, or kept past a closure's
+            # step without the post-step hook) changes the losses
+            assert on["losses"] == off["losses"], (fused, mode)
+            assert all(torch.equal(on["full"][k], off["full"][k]) for k in off["full"]), (fused, mode)
             assert torch.equal(on["edited"], off["edited"]) and not torch.equal(on["edited"], on["evaluated"])
         assert "keep_cast_shard='yes'" in result["refused"] and "keep_cast_shard=True" in result["refused"]
+
+
+# -------------------------------------------------------------- device streams
+class _TorchStream:
+    """Stands in for ``torch.Stream``: remembers how it was made."""
+
+    made: list[dict] = []
+
+    def __init__(self, **kwargs) -> None:
+        self.kwargs = kwargs
+        _TorchStream.made.append(kwargs)
+
+
+def test_device_streams_on_an_accelerator_are_two_high_priority_streams(monkeypatch):
+    """``device_streams`` / ``has_streams`` against a fake accelerator (oracle: the calls torch would receive)."""
+    cuda1 = torch.device("cuda", 1)
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: True)
+    monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda: torch.device("cuda"))
+    monkeypatch.setattr(torch.accelerator, "current_stream", lambda device=None: ("current", device))
+    monkeypatch.setattr(torch, "Stream", _TorchStream)
+    _TorchStream.made.clear()
+    assert streams_module.has_streams(cuda1) and streams_module.has_streams("cuda")
+    assert not streams_module.has_streams(torch.device("cpu")) and not streams_module.has_streams(None)
+    made = streams_module.device_streams(cuda1)
+    assert _TorchStream.made == [dict(device=cuda1, priority=-1)] * 2  # high priority, on the model's device
+    assert made.all_gather is not made.reduce and made.ordered
+    assert made.compute == ("current", cuda1)  # looked up at each use: the current stream of that device
+    assert made.timing_stream(True) is made.all_gather and made.timing_stream(False) is made.reduce
+    assert streams_module.device_streams(torch.device("cpu")) is NO_STREAMS
+    monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda: None)
+    assert streams_module.device_streams(cuda1) is NO_STREAMS
+    monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda: torch.device("cuda"))
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: False)
+    assert streams_module.device_streams(cuda1) is NO_STREAMS
+    assert len(_TorchStream.made) == 2  # the CPU answers made none
+    assert NO_STREAMS.timing_stream(True) is None and not NO_STREAMS.ordered

@@ -216,7 +216,7 @@ def fully_shard(
                 dbuffer.set_partial_group(partial_group, reshard_after_forward)
             if fp8 is not None:
                 shapes = {name: p.shape for name, p in dbuffer_params}
-                dbuffer.fp8_gather = Fp8Gather(layout, shapes, dbuffer.rank, fp8, dbuffer.device)
+                dbuffer.fp8_gather = Fp8Gather(layout, shapes, dbuffer.rank, fp8, dbuffer.device, keep=keep_cast_shard)
             dbuffers.append(dbuffer)
             built.append((dbuffer, dbuffer_params))
             for name, param in dbuffer_params:

@@ -4,9 +4,9 @@ Three flat tensors laid out by the planner:
 
 * ``sharded`` (size S, master dtype): this rank's segment, persistent. The optimizer's
   parameters are 1-D views into it.
-* ``unsharded`` (size m·S, compute dtype): allocated at unshard, freed at reshard. The
-  module's parameters are fixed, original-shape views into it, so the all-gather
-  writes every parameter in place: no copy-in, no copy-out.
+* ``unsharded`` (size m·S, compute dtype): allocated at unshard (an fp8 gather's at its wait,
+  where the dequantize writes it), freed at reshard. The module's parameters are fixed,
+  original-shape views into it, so the all-gather writes every parameter in place: no copy-in, no copy-out.
 * ``unsharded_grad`` (size m·S, reduce dtype): allocated when the first gradient of the
   DBuffer arrives (autograd's post-accumulate hook), not at the group's backward pre-hook,
   so no buffer waits through the backward of the groups before it; the collective reads it
@@ -32,15 +32,15 @@ unshard/reshard only swap the module's views (no event: no memory changes). With
 written into the full buffer is the "gather" (its events; ``keep_cast_shard`` keeps nothing). The
 gradient buffer, a tensor of its own each backward, becomes the sharded gradient (``sharded_grad.py``).
 
-The collective calls themselves are in ``collectives.py``, issued on the comm streams of
-``streams.py`` (no-op on CPU), the all-gather's source from ``shard_cast.py``. Observers
-(``events.py``) in ``observers`` hear of every all-gather, reduction and buffer (de)allocation.
+The collective calls themselves are in ``collectives.py``, issued on the comm streams of ``streams.py``
+(no-op on CPU), the all-gather's source from ``shard_cast.py`` (or the part ``partial_reshard.py`` kept).
+Observers (``events.py``) in ``observers`` hear of every all-gather, reduction and buffer (de)allocation.
 """
 
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -49,6 +49,7 @@ from torch import nn
 from lightning_ragged.engine import collectives, storage
 from lightning_ragged.engine.collectives import REDUCE_MODES, CommStats, PendingCollective, default_reduce_mode
 from lightning_ragged.engine.events import DBufferObserver, EventKind, notify, observed
+from lightning_ragged.engine.partial_reshard import PartialReshard
 from lightning_ragged.engine.shard_cast import ShardCast
 from lightning_ragged.engine.sharded_grad import ShardedGrad
 from lightning_ragged.engine.streams import NO_STREAMS, CommStreams
@@ -114,9 +115,8 @@ class DBuffer:
         self._padding = storage.padding(layout, self.world_size * segment)
         self._awaiting: set[str] = set()
         self._used: set[str] = set()
-        self._partial: torch.Tensor | None = None
-        self._partial_group: dist.ProcessGroup | None = None
-        self._partial_size = 1
+        self._partial: torch.Tensor | None = None  # the part kept by ``_partial_reshard``, until gathered
+        self._partial_reshard: PartialReshard | None = None
         self._gathered = False  # full_is_shard only: the module computes with the full views now
 
         pieces = {name: (start, end, offset) for name, start, end, offset in layout.local_pieces(self.rank)}
@@ -189,39 +189,46 @@ class DBuffer:
 
     def unshard(self, async_op: bool = False) -> None:
         """All-gather every rank's segment straight into the unsharded buffer (the parameters' storage)."""
-        if self.is_unsharded:
+        if self.is_unsharded or self.unshard_pending:  # an fp8 gather allocates its buffer at the wait
             return
         if self.full_is_shard:  # the full views alias the shards: nothing to gather
             self._gathered = True
             return
-        observed(self, EventKind.UNSHARD_ISSUED, "all_gather", self._issue_on_stream, True, async_op)
+        observed(self, EventKind.UNSHARD_ISSUED, "all_gather", self._issue_unshard, async_op)
         if not async_op:
             self.wait_unshard()
 
     def _issue_unshard(self, async_op: bool) -> None:
-        started = time.perf_counter()
-        storage.allocate(self.unsharded, self._unsharded_bytes)
-        if self.fp8_gather is not None and self._partial is None:  # fp8 on the wire, dequantized at wait
-            self._pending_unshard = self.fp8_gather.issue(
-                self._gather_target, self.sharded, self.process_group, async_op, started
-            )
-            self.stats.all_gathers += 1
-            self.stats.all_gather_bytes += self.fp8_gather.wire_bytes
-            return
-        if self.single_rank:  # with a cast (else ``full_is_shard``): the cast is the gather, no collective
-            self._gather_target.copy_(self.sharded)
-            self.shard_cast.casts += 1
-            self._pending_unshard = PendingCollective(None, started, self.sharded)
-            return
-        if self._partial is not None:  # kept by reshard_after_forward=int: gather inside the smaller group
-            source, group, self._partial = self._partial, self._partial_group, None
+        """On compute: a kept cast or fp8 chunk (``issue`` reuses it), made here so that its memory is
+        compute's once dropped (``shard_cast.py``); the rest on the all-gather stream (:meth:`_gather`)."""
+        started, partial = time.perf_counter(), self._partial is not None
+        fp8 = self.fp8_gather is not None and not partial
+        kept = None if fp8 or partial or self.single_rank else self.shard_cast.kept(self.sharded)
+        if fp8:
+            self.fp8_gather.source.kept(self.sharded)
+        self._on_stream(True, lambda issued_async: self._gather(issued_async, started, fp8, kept), async_op)
+
+    def _gather(self, async_op: bool, started: float, fp8: bool, kept: torch.Tensor | None) -> None:
+        """On the all-gather stream: the full buffer (fp8's at the wait, where its dequantize writes it), the gather."""
+        if fp8:  # fp8 on the wire: its chunk and received bytes live until the wait
+            pending = self.fp8_gather.issue(self._gather_target, self.sharded, self.process_group, async_op, started)
+            sent = self.fp8_gather.wire_bytes
         else:
-            source = self.shard_cast.of(self.sharded)
-            group = self.process_group
-        pending = collectives.all_gather(self._gather_target, source, group, async_op, started)
-        self.stats.all_gathers += 1
-        self.stats.all_gather_bytes += self.unsharded.numel() * self.unsharded.element_size()
+            storage.allocate(self.unsharded, self._unsharded_bytes)
+            if self.single_rank:  # with a cast (else ``full_is_shard``): the cast is the gather, no collective
+                self._gather_target.copy_(self.sharded)
+                self.shard_cast.casts += 1
+                self._pending_unshard = PendingCollective(None, started, self.sharded)
+                return
+            if self._partial is not None:  # kept by reshard_after_forward=int: gather inside the smaller group
+                source, group, self._partial = self._partial, self._partial_reshard.group, None
+            else:  # a fresh cast is transient: the next one reuses its block on this stream
+                source, group = kept if kept is not None else self.shard_cast.of(self.sharded), self.process_group
+            pending = collectives.all_gather(self._gather_target, source, group, async_op, started)
+            sent = self.unsharded.numel() * self.unsharded.element_size()
         self._pending_unshard = pending
+        self.stats.all_gathers += 1
+        self.stats.all_gather_bytes += sent
 
     def wait_unshard(self) -> None:
         if self._pending_unshard is None:
@@ -229,6 +236,7 @@ class DBuffer:
         observed(self, EventKind.UNSHARD_WAITED, "all_gather", self._wait_unshard)
 
     def _wait_unshard(self) -> None:
+        storage.allocate(self.unsharded, self._unsharded_bytes)  # fp8's, on compute; allocated at issue otherwise
         self.stats.all_gather_seconds += self._pending_unshard.wait()
         self._pending_unshard = None
 
@@ -244,31 +252,23 @@ class DBuffer:
         elif storage.free(self.unsharded) and self.observers:
             notify(self, EventKind.RESHARDED)
 
-    def _issue_on_stream(self, gather: bool, async_op: bool) -> None:
+    def _on_stream(self, gather: bool, call: Callable[[bool], None], async_op: bool) -> None:
         """Issue the all-gather (or the reduction) on its comm stream; its wait makes compute wait for it."""
         side = self.streams.all_gather if gather else self.streams.reduce
-        event = self.streams.issue(side, self._issue_unshard if gather else self._issue_reduce, async_op)
+        event = self.streams.issue(side, call, async_op)
         (self._pending_unshard if gather else self._pending_reduce).on_stream(self.streams, event)
 
     def set_partial_group(self, group: dist.ProcessGroup, size: int) -> None:
         """``reshard_after_forward=size``: after forward keep 1/size of the buffer, re-gathered inside ``group``."""
-        if self.world_size % size:
-            raise ValueError(f"reshard_after_forward={size} must divide the shard group's {self.world_size} ranks")
-        self._partial_group, self._partial_size = group, size
+        self._partial_reshard = PartialReshard(self.world_size, group, size)
 
     def reshard_to_partial(self) -> None:
-        """Keep this rank's 1/size of the full buffer (one flat copy), free the rest.
-
-        Member j of each group of ``size`` consecutive ranks keeps the j-th contiguous
-        chunk, so an all-gather inside the group writes the whole buffer back in place.
-        """
+        """Keep this rank's 1/size of the full buffer (``partial_reshard.py``), free the rest."""
         self.wait_unshard()
-        if self._partial_group is None or not self.is_unsharded:
+        if self._partial_reshard is None or not self.is_unsharded:
             self.reshard()
             return
-        chunk = self.unsharded.numel() // self._partial_size
-        index = dist.get_rank(self._partial_group)
-        self._partial = self.unsharded[index * chunk : (index + 1) * chunk].clone()
+        self._partial = self._partial_reshard.keep(self.unsharded)
         self._free_unsharded()
 
     # --------------------------------------------------------------- gradients
@@ -345,7 +345,7 @@ class DBuffer:
 
     def reduce_grad(self, async_op: bool = True) -> None:
         """Sum the flat gradient buffer over the shard group, in place (all-reduce) or into S (reduce-scatter)."""
-        observed(self, EventKind.REDUCE_ISSUED, self.reduce_mode, self._issue_on_stream, False, async_op)
+        observed(self, EventKind.REDUCE_ISSUED, self.reduce_mode, self._on_stream, False, self._issue_reduce, async_op)
         if not async_op:
             self.finish_reduce()
 

@@ -23,6 +23,14 @@ One collective per DBuffer. Every rank sends ``rank_bytes`` (equal on all ranks)
 row-major, pieces in buffer order; the scale area is as large as the rank holding the
 most tiles needs). Dequantization writes every piece straight from the gathered bytes into
 the full buffer (the parameters' storage), a few flat ops per piece, never a loop over tiles.
+On CPU, e4m3 bytes become fp32 through a 256-entry table (torch's emulated e4m3 cast is ~4x
+slower; the table is that cast of every byte, so the result is bit for bit the same).
+
+Memory: the send chunk (``rank_bytes``) and the received bytes (``wire_bytes``) live from the
+issue to the wait, beside the full buffer; the wait frees the chunk before it dequantizes and
+the received bytes after. ``keep=True`` (meant for ``keep_cast_shard``) keeps the chunk instead, by the
+rule of ``shard_cast.py`` (the shard's version counter, dropped at every optimizer step): the
+backward re-gather, no_sync micro-batches and frozen weights then quantize once per step.
 """
 
 from __future__ import annotations
@@ -39,6 +47,7 @@ from torch import nn
 from lightning_ragged.engine import collectives, storage
 from lightning_ragged.engine.collectives import PendingCollective
 from lightning_ragged.engine.grouping import parameter_slots
+from lightning_ragged.engine.shard_cast import ShardCast
 from lightning_ragged.layout.errors import RaggedShardBoundaryViolation
 from lightning_ragged.layout.spec import Layout
 
@@ -164,11 +173,26 @@ def quantize_into(out: torch.Tensor, x: torch.Tensor, scales: torch.Tensor, tile
         out[box].view(shape).copy_(torch.div(x[box].view(shape), scale).clamp_(-fp8_max, fp8_max))
 
 
-def dequantize_into(out: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, tile: int) -> None:
+def float32_table(dtype: torch.dtype) -> torch.Tensor:
+    """fp8 byte -> its fp32 value, all 256 of them: torch's own cast of every byte (NaN encodings included)."""
+    return torch.arange(256, dtype=torch.int32).to(torch.uint8).view(dtype).to(torch.float32)
+
+
+def to_float32(q: torch.Tensor, table: torch.Tensor | None = None) -> torch.Tensor:
+    """``q`` (fp8, any strides) as fp32: ``q.float()``, or its bytes looked up in ``table`` (same bits, faster)."""
+    if table is None:
+        return q.float()
+    index = q.view(torch.uint8).to(torch.int32).reshape(-1)  # a uint8 index would be read as a mask
+    return table.index_select(0, index).view(q.shape)
+
+
+def dequantize_into(
+    out: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, tile: int, table: torch.Tensor | None = None
+) -> None:
     """``out`` (the compute dtype) = ``q`` (fp8) times its tile's scale, computed in fp32 and rounded once."""
     for box, tiles, shape in _regions(q.shape, tile):
         scale = scales[tiles].view(shape[0], 1, shape[2], 1)
-        torch.mul(q[box].view(shape).float(), scale, out=out[box].view(shape))
+        torch.mul(to_float32(q[box].view(shape), table), scale, out=out[box].view(shape))
 
 
 # ------------------------------------------------------------------ one DBuffer
@@ -190,15 +214,20 @@ class _Piece:
 class Fp8Gather:
     """One DBuffer's fp8 all-gather: its wire format, the quantization of this rank's pieces, the dequantization.
 
-    Built once per DBuffer from its layout; refuses a layout that cuts a tile.
+    Built once per DBuffer from its layout; refuses a layout that cuts a tile. ``keep``: keep the
+    quantized chunk while the master shard is unchanged (``keep_cast_shard``'s rule, :class:`_KeptChunk`).
     """
 
     def __init__(
         self, layout: Layout, shapes: Mapping[str, torch.Size], rank: int, config: Float8AllGather,
-        device: torch.device,
+        device: torch.device, keep: bool = False,
     ) -> None:
-        self.tile, self.dtype, self.device = config.tile, config.dtype, device
+        self.tile, self.dtype, self.device = config.tile, config.dtype, torch.device(device)
         self.fp8_max = torch.finfo(config.dtype).max
+        self.table = float32_table(self.dtype) if _table_is_faster(self.device, self.dtype) else None
+        """fp8 byte -> fp32 for the dequantization, where that beats torch's cast (CPU, e4m3); else None."""
+        self.source = _KeptChunk(self.quantize, keep)
+        """Where the send chunk comes from: a fresh quantization, or the kept one (``source.casts`` counts them)."""
         self.world_size, self.segment_size = layout.world_size, layout.segment_size
         pieces: list[_Piece] = []
         tiles_per_rank = []
@@ -226,6 +255,11 @@ class Fp8Gather:
         """Bytes of one all-gather's output (what ``CommStats.all_gather_bytes`` counts, as for the plain gather)."""
         return self.world_size * self.rank_bytes
 
+    @property
+    def quantizations(self) -> int:
+        """Chunks quantized so far (gathers that reused the kept chunk made none)."""
+        return self.source.casts
+
     def quantize(self, sharded: torch.Tensor) -> torch.Tensor:
         """This rank's wire chunk: its segment in fp8 and its tiles' scales, from the master segment ``sharded``."""
         chunk = torch.zeros(self.rank_bytes, dtype=torch.uint8, device=self.device)
@@ -248,7 +282,7 @@ class Fp8Gather:
             for piece in self._pieces:
                 grid = scales[piece.rank, piece.tiles].view(tile_grid(piece.shape, self.tile))
                 q = fp8[piece.rank, piece.segment].view(piece.shape)
-                dequantize_into(full[piece.full].view(piece.shape), q, grid, self.tile)
+                dequantize_into(full[piece.full].view(piece.shape), q, grid, self.tile, self.table)
             for gap in self._padding:
                 full[gap].zero_()
 
@@ -256,26 +290,58 @@ class Fp8Gather:
         self, full: torch.Tensor, sharded: torch.Tensor, group: dist.ProcessGroup | None, async_op: bool,
         started: float,
     ) -> PendingCollective:
-        """Quantize, start the one all-gather; waiting for the result also dequantizes it into ``full``."""
-        chunk = self.quantize(sharded)
+        """Quantize (or reuse the kept chunk), start the one all-gather; its wait also dequantizes into ``full``."""
+        chunk = self.source.of(sharded)
         gathered = torch.empty(self.wire_bytes, dtype=torch.uint8, device=self.device)
         pending = collectives.all_gather(gathered, chunk, group, async_op, started)
-        return _PendingFp8Gather(pending, lambda: self.dequantize(gathered, full))
+        return _PendingFp8Gather(pending, gathered, lambda received: self.dequantize(received, full))
+
+
+class _KeptChunk(ShardCast):
+    """The send chunk of one fp8 DBuffer, kept by ``ShardCast``'s rule when ``keep`` (its version counter,
+    its optimizer step hooks, ``drop``/``kept_bytes``); what it makes is a quantization, not a cast."""
+
+    def __init__(self, quantize: Callable[[torch.Tensor], torch.Tensor], keep: bool) -> None:
+        super().__init__(torch.uint8, keep)
+        self._quantize = quantize
+
+    def of(self, sharded: torch.Tensor) -> torch.Tensor:
+        if self._kept is not None and self._version == sharded._version:
+            return self._kept
+        chunk = self._quantize(sharded)
+        self.casts += 1
+        if self.keep:
+            self._kept, self._version = chunk, sharded._version
+        return chunk
 
 
 class _PendingFp8Gather(PendingCollective):
-    """An fp8 all-gather in flight: ``wait()`` finishes it and dequantizes (counted as time in flight)."""
+    """An fp8 all-gather in flight: ``wait()`` finishes it, frees the send chunk, dequantizes, frees the bytes.
 
-    def __init__(self, pending: PendingCollective, finish: Callable[[], None]) -> None:
+    The chunk is released as soon as the collective has read it (the wait; on a device, after compute
+    waited the all-gather stream, ``streams.py`` rule 3), before the dequantization allocates its temporaries.
+    """
+
+    def __init__(
+        self, pending: PendingCollective, gathered: torch.Tensor, finish: Callable[[torch.Tensor], None]
+    ) -> None:
         super().__init__(pending.work, pending.started, *pending.keep_alive)
-        self._finish: Callable[[], None] | None = finish
+        self._gathered: torch.Tensor | None = gathered
+        self._finish = finish
 
     def wait(self) -> float:
         super().wait()
-        if self._finish is not None:
-            self._finish()
-            self._finish = None
+        self.keep_alive = ()  # the send chunk (a kept one stays in ``Fp8Gather.source``)
+        if self._gathered is not None:
+            gathered, self._gathered = self._gathered, None  # the received bytes die with this call
+            self._finish(gathered)
         return time.perf_counter() - self.started
+
+
+def _table_is_faster(device: torch.device, dtype: torch.dtype) -> bool:
+    """Measured on 1.2M elements (``benchmarks/fp8_bench.py``): on CPU the table beats torch's emulated e4m3
+    cast several times and loses to its e5m2 cast (a shift); accelerators convert fp8 natively."""
+    return device.type == "cpu" and dtype == torch.float8_e4m3fn
 
 
 def _check_whole_tiles(name: str, shape: tuple[int, int], start: int, end: int, tile: int) -> None:

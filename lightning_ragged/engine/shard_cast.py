@@ -13,6 +13,17 @@ checkpoint loads. Fused optimizer kernels (``torch.optim.AdamW(fused=True)``) do
 so any ``torch.optim.Optimizer``'s step also drops every kept cast, before it runs (its memory
 is free for the step) and after it (a step whose closure ran forward, as Lightning's does).
 Writes through ``param.data`` bypass both: do not write shards that way.
+
+The stream that makes it (``streams.py``). A kept cast is made on the compute stream, before the
+all-gather's issue (:meth:`ShardCast.kept`). The caching allocator gives a freed block back only
+to the stream that allocated it: made on the all-gather stream, a dropped kept cast could serve
+later all-gathers only, never the optimizer step or the activations, and a step's reserved memory
+would grow by every DBuffer's ``S x param_dtype`` bytes. Made on compute, it is compute's again when
+dropped, and safely: the all-gather stream waited for compute before reading it, and its pending
+collective holds it until compute waited that all-gather. A fresh cast (not kept) is made inside the
+issue, on the all-gather stream, as FSDP2 makes its copy-in on a side stream: it runs beside compute,
+not in front of the next kernels, and lives only until the wait, so the next all-gather's cast
+reuses its block there (that pool holds one cast per all-gather in flight).
 """
 
 from __future__ import annotations
@@ -42,6 +53,11 @@ class ShardCast:
             if not _hooks:
                 _hooks.append(register_optimizer_step_pre_hook(_drop_all))
                 _hooks.append(register_optimizer_step_post_hook(_drop_all))
+
+    def kept(self, sharded: torch.Tensor) -> torch.Tensor | None:
+        """With ``keep`` and a cast to make: the kept cast, made now if stale (call it on the compute stream,
+        before the all-gather's issue); else None (the issue makes its own source with :meth:`of`)."""
+        return self.of(sharded) if self.keep and sharded.dtype != self.dtype else None
 
     def of(self, sharded: torch.Tensor) -> torch.Tensor:
         """``sharded`` in the compute dtype (no copy when it already is one)."""

@@ -3,8 +3,9 @@
 One :class:`CommStreams` per sharded model (``RaggedFSDPState.set_comm_streams``) holds
 
 * ``compute``: the current stream at each use (forward and backward kernels, the engine's hooks);
-* ``all_gather``: every DBuffer's all-gather: the full buffer's allocation, the cast (or kept cast)
-  of the shard, the collective;
+* ``all_gather``: every DBuffer's all-gather: the full buffer's allocation, a fresh cast of the shard,
+  the collective (a kept cast is made on compute just before, ``shard_cast.py``; an fp8 gather's full
+  buffer is allocated on compute at its wait, where the dequantize writes it);
 * ``reduce``: every DBuffer's reduction: the shard group's collective, then HSDP's replica all-reduce.
 
 On an accelerator they are torch's device-generic ``torch.Stream`` / ``torch.Event`` (CUDA first; any
@@ -14,20 +15,23 @@ runs, doing nothing; tests inject streams that log each call. The ordering rules
 1. **Issue** (:meth:`CommStreams.issue`): the side stream first waits for compute (``wait_stream``), so
    the collective reads the shard's latest values (the optimizer step) or the finished gradients, and
    the memory it allocates cannot be in use by compute (rule 3). Everything the issue allocates and
-   runs is on the side stream; an event is recorded on it right after the collective.
+   runs is on the side stream; an event is recorded on it right after the collective. What outlives the
+   wait (a kept cast) is made on compute before the issue, so that it is compute's memory once dropped.
 2. **Wait** (:meth:`CommStreams.wait`, from ``PendingCollective.wait``): compute waits that event before
    any use: the group's forward or backward, writing the reduced segment into the sharded gradient.
    The end of backward finishes every reduction this way, so the optimizer step, enqueued on compute
    after it, sees them all.
-3. **Memory, without ``record_stream``**: a buffer allocated on a side stream (the full buffer, the cast
-   shard, a reduce-scatter output) is freed by the CPU only after compute waited its event; the caching
-   allocator hands its block only to later allocations on that same side stream, and every such
-   allocation happens inside a later issue, after that stream waited for compute (rule 1): the reuse is
-   ordered after every compute kernel enqueued before the free, i.e. after the buffer's last use. A
-   buffer allocated on compute and read by a side stream (the flat gradient buffer, a kept 1/n of the
-   full buffer) is freed only after compute waited the side stream's event (rule 2). (``record_stream``
-   would instead defer each block's reuse to the allocator polling events at free time, which makes the
-   memory in use depend on timing; FSDP2 avoids it too, by holding references and events.)
+3. **Memory, without ``record_stream``**: a buffer allocated on a side stream (the full buffer, a fresh
+   cast, fp8's chunk and received bytes, a reduce-scatter output) is used by compute only after compute
+   waited its event, and freed by the CPU only after that wait (all but the full buffer die at the wait;
+   the full buffer at the reshard). The caching allocator hands its block only to later allocations on
+   that same side stream, and every such allocation happens inside a later issue, after that stream
+   waited for compute (rule 1): the reuse is ordered after every compute kernel enqueued before the
+   free, i.e. after the buffer's last use. A buffer allocated on compute and read by a side stream (the
+   flat gradient buffer, a kept cast, a kept 1/n of the full buffer) is freed only after compute waited
+   the side stream's event (rule 2). (``record_stream`` would instead defer each block's reuse to the
+   allocator polling events at free time, which makes the memory in use depend on timing; FSDP2 avoids
+   it too, by holding references and events.)
 4. **Synchronous on the side stream**: on a device the collective is issued with ``async_op=False``
    inside the side stream (``ordered``): ProcessGroupNCCL launches it on the current stream (torch >= 2.8;
    before, on its own stream joined back by the ``work.wait()`` c10d calls, which orders streams and

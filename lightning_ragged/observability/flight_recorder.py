@@ -211,15 +211,19 @@ def _named(
 def collective_signatures(labels_and_layouts: Iterable[tuple[str, Any]]) -> dict[tuple[str, int, int], str]:
     """(collective, input elements, output elements) -> FSDP group, from ``EngineMetrics.groups()``.
 
-    The engine's collectives: the all-gather (segment -> full), the gradient reduction
-    (reduce-scatter full -> segment, or all-reduce of the full buffer where ``reduce_mode`` is
-    ``"all_reduce"``) and HSDP's all-reduce of the reduced segment over the replicas. Groups
-    with the same sizes share a key: their names are joined with " or ".
+    Each item is (label, ``Layout``) or (label, ``DBuffer``). The engine's collectives: the
+    all-gather (segment -> full; for a DBuffer with an fp8 gather, ``rank_bytes`` -> ``wire_bytes``
+    uint8 elements, which is what it issues), the gradient reduction (reduce-scatter full ->
+    segment, or all-reduce of the full buffer where ``reduce_mode`` is ``"all_reduce"``) and
+    HSDP's all-reduce of the reduced segment over the replicas. Groups with the same sizes share
+    a key: their names are joined with " or ".
     """
     signatures: dict[tuple[str, int, int], str] = {}
-    for label, layout in labels_and_layouts:
+    for label, item in labels_and_layouts:
+        layout, fp8 = getattr(item, "layout", item), getattr(item, "fp8_gather", None)
         full, segment = layout.buffer_numel, layout.segment_size
-        keys = (("all_gather", segment, full), ("reduce_scatter", full, segment), ("all_reduce", full, full),
+        gather = (segment, full) if fp8 is None else (fp8.rank_bytes, fp8.wire_bytes)
+        keys = (("all_gather", *gather), ("reduce_scatter", full, segment), ("all_reduce", full, full),
                 ("all_reduce", segment, segment))
         for key in keys:
             signatures[key] = f"{signatures[key]} or {label}" if key in signatures else label

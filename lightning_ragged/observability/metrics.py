@@ -237,10 +237,10 @@ class EngineMetrics:
         return metrics
 
     def groups(self) -> Iterable[tuple[str, Any]]:
-        """(label, layout) of every DBuffer."""
+        """(label, DBuffer) of every DBuffer (``flight_recorder.collective_signatures`` names its collectives)."""
         for p in self.probes:
             for info in p.dbuffers:
-                yield info.label, info.dbuffer.layout
+                yield info.label, info.dbuffer
 
     def totals(self) -> dict[str, float]:
         """Cumulative counters since the module was sharded (for Prometheus counters)."""

@@ -42,7 +42,7 @@ class DBufferInfo:
 
     __slots__ = (
         "dbuffer", "group", "index", "label", "unsharded_bytes", "grad_buffer_bytes", "cast_bytes", "reduce_cast_bytes",
-        "casts_seen", "fp8_copy_bytes",
+        "casts_seen", "quantizations_seen", "counted",
     )
 
     def __init__(self, dbuffer: DBuffer, group: str, index: int, dbuffers_in_group: int) -> None:
@@ -53,12 +53,13 @@ class DBufferInfo:
         element = torch.empty((), dtype=dbuffer.param_dtype).element_size()
         self.unsharded_bytes = 0 if dbuffer.full_is_shard else dbuffer.layout.buffer_numel * element
         """Bytes an unshard allocates: none where the full buffer is the shard itself (world size 1, no cast)."""
+        self.counted = dbuffer.is_unsharded
+        """Its full buffer is in ``EngineProbe.unsharded_bytes`` (allocated at the issue, an fp8 one at the wait)."""
         self.cast_bytes = dbuffer.layout.segment_size * element if dbuffer.param_dtype != dbuffer.master_dtype else 0
         """Bytes of one cast of the shard to the compute dtype (``keep_cast_shard`` makes fewer casts than gathers)."""
         self.casts_seen = dbuffer.shard_cast.casts
-        fp8 = dbuffer.fp8_gather
-        self.fp8_copy_bytes = 0 if fp8 is None else fp8.rank_bytes + self.unsharded_bytes
-        """An fp8 gather writes its quantized chunk and dequantizes into the full buffer (no shard cast)."""
+        self.quantizations_seen = 0 if dbuffer.fp8_gather is None else dbuffer.fp8_gather.quantizations
+        """An fp8 gather writes its quantized chunk (unless a kept one serves) and dequantizes into the full buffer."""
         grad_element = torch.empty((), dtype=dbuffer.unsharded_grad.dtype).element_size()
         self.grad_buffer_bytes = dbuffer.layout.buffer_numel * grad_element
         """The full gradient buffer is in the reduce dtype when it differs (gradients land there by a cast)."""
@@ -92,7 +93,7 @@ class EngineProbe:
         self.blocked_all_gather_seconds = 0.0
         self.blocked_reduce_seconds = 0.0
         self.engine_copy_bytes = 0
-        self.unsharded_bytes = sum(info.unsharded_bytes for info in self.dbuffers if info.dbuffer.is_unsharded)
+        self.unsharded_bytes = sum(info.unsharded_bytes for info in self.dbuffers if info.counted)
         self.unsharded_peak_bytes = self.unsharded_bytes
         self.grad_bytes = sum(info.grad_buffer_bytes for info in self.dbuffers if info.dbuffer.has_unsharded_grad)
         self.grad_peak_bytes = self.grad_bytes
@@ -152,14 +153,19 @@ class EngineProbe:
             self.blocked_all_gather_seconds += event.seconds
             if not failed:
                 casts, info.casts_seen = info.dbuffer.shard_cast.casts - info.casts_seen, info.dbuffer.shard_cast.casts
-                self.engine_copy_bytes += casts * info.cast_bytes + info.fp8_copy_bytes
-                self.unsharded_bytes += info.unsharded_bytes
-                if self.unsharded_bytes > self.unsharded_peak_bytes:
-                    self.unsharded_peak_bytes = self.unsharded_bytes
+                self.engine_copy_bytes += casts * info.cast_bytes
+                fp8 = info.dbuffer.fp8_gather
+                if fp8 is not None:
+                    made, info.quantizations_seen = fp8.quantizations - info.quantizations_seen, fp8.quantizations
+                    self.engine_copy_bytes += made * fp8.rank_bytes + info.unsharded_bytes
+            self._count_unsharded(info)
         elif kind is EventKind.UNSHARD_WAITED:
             self.blocked_all_gather_seconds += event.seconds
+            self._count_unsharded(info)
         elif kind is EventKind.RESHARDED:
-            self.unsharded_bytes -= info.unsharded_bytes
+            if info.counted:
+                info.counted = False
+                self.unsharded_bytes -= info.unsharded_bytes
         elif kind is EventKind.REDUCE_ISSUED:
             self._next_sequence(info.dbuffer, event.collective)
             self.blocked_reduce_seconds += event.seconds
@@ -178,6 +184,15 @@ class EngineProbe:
             return None
         collective = "gradient buffer" if kind is EventKind.GRAD_BUFFER_ALLOCATED else event.collective
         return diagnostics.translate(event.error, self._failure(info, collective, event.seconds), collective)
+
+    def _count_unsharded(self, info: DBufferInfo) -> None:
+        """Count a full buffer once it is allocated: at its issue, or (fp8) at its wait; a failed call too,
+        when it allocated (the reset's RESHARDED takes it off again)."""
+        if not info.counted and info.dbuffer.is_unsharded:
+            info.counted = True
+            self.unsharded_bytes += info.unsharded_bytes
+            if self.unsharded_bytes > self.unsharded_peak_bytes:
+                self.unsharded_peak_bytes = self.unsharded_bytes
 
     def _time(self, info: DBufferInfo, event: DBufferEvent, failed: bool) -> None:
         kind = event.kind

@@ -29,6 +29,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -110,13 +111,8 @@ def _time_steps(step, set_grads) -> tuple[float, float, int]:
     return statistics.median(times), statistics.mean(counts), int(statistics.mean(sent))
 
 
-def _ragged(granularity: str) -> dict:
-    from lightning_ragged import fully_shard, get_state
-    from lightning_ragged.optim import Muon
-
-    model = fully_shard(Stack(), shard_granularity=granularity)
-    params = list(model.parameters())
-    muon = Muon(params, **MUON)
+def _ragged_grads(params: list) -> Callable[[int], None]:
+    """Set every sharded parameter's gradient to its piece of a full random gradient seeded by the step index."""
 
     def set_grads(index: int) -> None:
         generator = torch.Generator().manual_seed(index)
@@ -125,6 +121,18 @@ def _ragged(granularity: str) -> dict:
             start, end = p.ragged_shard.local_range
             p.grad = full[start:end].clone()
 
+    return set_grads
+
+
+def _ragged(granularity: str) -> dict:
+    from lightning_ragged import fully_shard, get_state
+    from lightning_ragged.optim import Muon
+
+    model = fully_shard(Stack(), shard_granularity=granularity)
+    params = list(model.parameters())
+    muon = Muon(params, **MUON)
+
+    set_grads = _ragged_grads(params)
     seconds, collectives, sent = _time_steps(muon.step, set_grads)
     loads = muon.last_plan.flops_per_rank[0]
     layouts = [dbuffer.layout for dbuffer in get_state(model).dbuffers()]
@@ -192,13 +200,7 @@ def _ragged_tiled(kind: str, granularity: str) -> dict:
     params = list(model.parameters())
     optimizer = _tiled_optimizer(kind, params)
 
-    def set_grads(index: int) -> None:
-        generator = torch.Generator().manual_seed(index)
-        for p in params:
-            full = torch.randn(p.ragged_shard.numel, generator=generator)
-            start, end = p.ragged_shard.local_range
-            p.grad = full[start:end].clone()
-
+    set_grads = _ragged_grads(params)
     seconds, collectives, sent = _time_steps(optimizer.step, set_grads)
     plan = optimizer.tile_plan
     layouts = [dbuffer.layout for dbuffer in get_state(model).dbuffers()]

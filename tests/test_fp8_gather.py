@@ -9,6 +9,7 @@ and the plain bf16 all-gather.
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -365,6 +366,68 @@ def test_flight_recorder_signatures_name_the_fp8_gathers_the_engine_issues(dist_
         named = {label for names in result["named"].values() for label in names.split(" or ")}
         assert result["fp8_labels"] and result["fp8_labels"] <= named
         assert result["not_plain"]  # fp8 gathers' sizes are no layout's (segment, full): the old keys missed them
+
+
+class SkipsABlock(nn.Module):
+    """Three Linear blocks; ``skip`` leaves the middle one out of a forward (LayerDrop), after its prefetch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(3))  # a group each
+        self.skip = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for index, block in enumerate(self.blocks):
+            if not (self.skip and index == 1):
+                x = block(x)
+        return x.square().mean()
+
+
+SKIPS = [False, True, False, False]
+
+
+def check_skipped_block_is_not_stale() -> dict:
+    """A block prefetched (its fp8 gather issued) but skipped must be gathered again after the optimizer step."""
+    torch.manual_seed(0)
+    reference = SkipsABlock()
+    model = lr.fully_shard(copy.deepcopy(reference), fp8_all_gather=lr.Float8AllGather(tile=4))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=5e-2)
+    reference_opt = torch.optim.AdamW(reference.parameters(), lr=5e-2)
+    names = {f"blocks.{i}.0.weight" for i in range(3)}
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))  # the same batch on every rank
+    pending_after_backward = []
+    for skip in SKIPS:
+        model.skip = reference.skip = skip
+        model(x).backward()
+        pending_after_backward.append(any(b.unshard_pending for b in lr.get_state(model).dbuffers()))
+        optimizer.step()
+        optimizer.zero_grad()
+        if skip:  # the skipped block got no gradient, so no optimizer changed it: change it by hand (a weight load)
+            with torch.no_grad():
+                dict(model.named_parameters())["blocks.1.0.weight"].mul_(0.5)
+                reference.blocks[1][0].weight.mul_(0.5)
+        params = dict(reference.named_parameters())
+        masters = {name: params[name].detach().clone() for name in names}
+        with torch.no_grad():
+            for name in names:
+                params[name].copy_(reference_fake_quant(masters[name], 4, torch.float8_e4m3fn, torch.float32)[0])
+        reference(x).backward()
+        with torch.no_grad():
+            for name in names:
+                params[name].copy_(masters[name])
+        reference_opt.step()
+        reference_opt.zero_grad()
+    full = lr.full_state_dict(model)
+    return {
+        "max_diff": max((full[k] - v).abs().max().item() for k, v in reference.state_dict().items() if k in full),
+        "pending_after_backward": pending_after_backward,
+    }
+
+
+def test_a_prefetched_block_that_did_not_run_is_gathered_again(dist_pool):
+    for result in dist_pool(2).run(check_skipped_block_is_not_stale):
+        assert result["pending_after_backward"] == [False] * len(SKIPS)  # no gather (nor its bytes) left to the step
+        assert result["max_diff"] <= 1e-6
 
 
 # ------------------------------------------------------------------ bad input

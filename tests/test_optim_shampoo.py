@@ -323,3 +323,27 @@ def test_loading_state_of_another_tile_geometry_is_refused_before_anything_chang
     with pytest.raises(ValueError, match=r"state of '0.weight' has tile '2,0', which its global shape \(8, 8\) in tiles "
                                          r"of max_preconditioner_dim=4 does not have"):
         Shampoo(shorter.named_parameters(), **HYPER).load_state_dict(state)
+
+
+def check_plain_and_sharded_params_in_one_optimizer() -> float:
+    """A plain tensor (a one-rank shard, group ``None``) beside parameters sharded over the default group (also
+    named ``None``): each is its own shard group, so the plain one steps exactly as it would alone."""
+    import lightning_ragged as lr
+
+    model = lr.fully_shard(make_mlp(), shard_granularity="row")
+    plain = nn.Parameter(torch.randn(5, 3, generator=torch.Generator().manual_seed(2)))
+    alone = nn.Parameter(plain.detach().clone())
+    together = Shampoo([plain, *model.parameters()], **HYPER)
+    by_itself = Shampoo([alone], **HYPER)
+    for step in range(3):
+        grad = torch.randn(5, 3, generator=torch.Generator().manual_seed(10 + step))
+        plain.grad, alone.grad = grad.clone(), grad.clone()
+        for p in model.parameters():
+            p.grad = torch.ones_like(p)
+        together.step()
+        by_itself.step()
+    return (plain - alone).abs().max().item()
+
+
+def test_a_plain_tensor_beside_sharded_parameters_is_its_own_shard_group(dist_pool):
+    assert dist_pool(2).run(check_plain_and_sharded_params_in_one_optimizer) == [0.0, 0.0]

@@ -35,7 +35,7 @@ class CommStats:
     """Collectives issued by the engine: counts, bytes on the wire per rank, and time."""
 
     all_gathers: int = 0
-    """Collectives only: 0 on a single rank (no HSDP): the full buffer is the shard or its cast (``dbuffer.py``)."""
+    """Collectives only: on a single rank (no HSDP) 0 but for fp8 DBuffers: the full buffer is the shard or its cast."""
     all_gather_bytes: int = 0
     all_gather_seconds: float = 0.0
     reduces: int = 0

@@ -32,8 +32,8 @@ unshard/reshard only swap the module's views (no event: no memory changes). With
 written into the full buffer is the "gather" (its events; ``keep_cast_shard`` keeps nothing). The
 gradient buffer, a tensor of its own each backward, becomes the sharded gradient (``sharded_grad.py``).
 
-The collective calls themselves are in ``collectives.py``, issued on the comm streams of ``streams.py``
-(no-op on CPU), the all-gather's source from ``shard_cast.py`` (or the part ``partial_reshard.py`` kept).
+The collective calls themselves are in ``collectives.py``, on the comm streams of ``streams.py`` (no-op on
+CPU); the all-gather's source is from ``shard_cast.py`` (``partial_reshard.py``'s kept part, ``fp8_gather.py``).
 Observers (``events.py``) in ``observers`` hear of every all-gather, reduction and buffer (de)allocation.
 """
 

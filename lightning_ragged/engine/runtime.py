@@ -304,8 +304,10 @@ class RaggedFSDPState:
         for group in self.all_groups:
             if group.backward_prepared or group.forward_calls:
                 self._finish_group(group)
-            elif group.is_unsharded and group.reshard_after_backward:
-                group.reshard()  # ran forward with reshard_after_forward=False but got no gradient
+            elif (group.is_unsharded or group.unshard_pending) and group.reshard_after_backward:
+                # ran forward with reshard_after_forward=False but got no gradient, or was prefetched and did not
+                # run: a gather left pending would be used after the optimizer step, with the old values
+                group.reshard()
         if self._reduced:
             self._settle_unused()
         self._finish_in_flight()

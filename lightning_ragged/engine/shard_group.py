@@ -56,6 +56,11 @@ class ShardGroup:
     def is_unsharded(self) -> bool:
         return all(dbuffer.is_unsharded for dbuffer in self.dbuffers)
 
+    @property
+    def unshard_pending(self) -> bool:
+        """An all-gather of one of its DBuffers was issued and not waited for (an fp8 one allocates at the wait)."""
+        return any(dbuffer.unshard_pending for dbuffer in self.dbuffers)
+
     def unsharded_params(self) -> Iterator[tuple[DBuffer, str, nn.Parameter]]:
         for dbuffer in self.dbuffers:
             for name, param in dbuffer.unsharded_params.items():

@@ -14,7 +14,7 @@ integer updates; exceptions cost nothing until one is raised. From the events th
 * tracks the bytes of unsharded parameter and gradient buffers alive right now and their
   peak (``reset_peaks`` starts a new window);
 * counts the bytes the engine itself copies outside the collectives (the mixed-precision
-  casts before an all-gather and before a reduction; with fp32 buffers, zero);
+  casts before an all-gather and before a reduction, fp8's quantize/dequantize; with fp32 buffers, zero);
 * numbers the collectives of each process group and turns a timeout, a dead peer or an
   out-of-memory error into the named errors of ``diagnostics.py``.
 """

@@ -55,7 +55,7 @@ from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
 
 from lightning_ragged.optim.muon_matrices import HeadSpec, Ranges, matrix_layout, matrix_pieces
 from lightning_ragged.optim.named_state import RaggedOptimizer
-from lightning_ragged.optim.shards import local_flat
+from lightning_ragged.optim.shards import local_flat, shard_group_key
 from lightning_ragged.optim.tile_exchange import SplitExchange
 from lightning_ragged.layout.granularity import NON_MUON_NAME_PARTS, is_muon_matrix
 from lightning_ragged.layout.ragged_shard import RaggedShard, shard_of
@@ -236,7 +236,7 @@ class Muon(RaggedOptimizer):
         self.last_plan = self._assign_roots(jobs)
         by_group: dict[int, list[_Job]] = {}
         for job in jobs:
-            by_group.setdefault(id(job.shard.process_group), []).append(job)
+            by_group.setdefault(shard_group_key(job.shard), []).append(job)
         for group_jobs in by_group.values():
             self._step_process_group(group_jobs)
 
@@ -293,7 +293,7 @@ class Muon(RaggedOptimizer):
         plan = MuonPlan()
         group_index: dict[int, int] = {}
         for job in jobs:
-            key = group_index.setdefault(id(job.shard.process_group), len(group_index))
+            key = group_index.setdefault(shard_group_key(job.shard), len(group_index))
             loads = plan.flops_per_rank.setdefault(key, [0] * job.shard.world_size)
             owner = job.owner()
             if owner is not None:
@@ -304,7 +304,7 @@ class Muon(RaggedOptimizer):
         order = sorted(range(len(split)), key=lambda i: (-ns_flops(split[i].shape), i))
         for index in order:
             job = split[index]
-            loads = plan.flops_per_rank[group_index[id(job.shard.process_group)]]
+            loads = plan.flops_per_rank[group_index[shard_group_key(job.shard)]]
             job.root = min(range(len(loads)), key=lambda r: (loads[r], -job.piece_numel(r), r))
             job.split = True
             loads[job.root] += ns_flops(job.shape, job.group["ns_steps"])
@@ -359,13 +359,13 @@ class Muon(RaggedOptimizer):
         shard = split[0].shard
         device = local_flat(split[0].param).device
         key = (device, tuple((job.pieces, job.root) for job in split))
-        cached = self._exchanges.get(id(shard.process_group))
+        cached = self._exchanges.get(shard_group_key(shard))
         if cached is None or cached[0] != key:
             exchange = SplitExchange(
                 [job.pieces for job in split], [job.root for job in split], shard.rank, shard.process_group,
                 torch.bfloat16, device, marked=True,
             )
-            cached = self._exchanges[id(shard.process_group)] = (key, exchange)
+            cached = self._exchanges[shard_group_key(shard)] = (key, exchange)
         return cached[1]
 
     def _apply(self, job: _Job, ortho: torch.Tensor, decay: bool) -> None:

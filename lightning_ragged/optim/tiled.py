@@ -47,7 +47,7 @@ import torch
 
 from lightning_ragged.optim.eigh import EigendecompositionError
 from lightning_ragged.optim.named_state import RaggedOptimizer
-from lightning_ragged.optim.shards import local_flat
+from lightning_ragged.optim.shards import local_flat, shard_group_key
 from lightning_ragged.optim.tile_exchange import SplitExchange
 from lightning_ragged.optim.tiles import Tile, TilePlan, tiles_of
 
@@ -131,7 +131,7 @@ class TiledOptimizer(RaggedOptimizer):
                     continue
                 shard = self.shard(param)
                 tiles = self._tiles[id(param)] = tiles_of(shard, group["max_preconditioner_dim"])
-                key = id(shard.process_group)
+                key = shard_group_key(shard)
                 if key not in self._shard_groups:
                     self._shard_groups[key] = _ShardGroupTiles(len(self._shard_groups))
                 tiled = self._shard_groups[key]
@@ -282,7 +282,7 @@ class TiledOptimizer(RaggedOptimizer):
     def _status(self, tiled: _ShardGroupTiles) -> float:
         """What this rank tells its peers: 0, 1 + the index of its first failed tile here, or ``_ELSEWHERE``."""
         for param, tile, _ in self._failures:
-            if self._shard_groups[id(self.shard(param).process_group)] is tiled:
+            if self._shard_groups[shard_group_key(self.shard(param))] is tiled:
                 return 1.0 + tile.index
         return _ELSEWHERE if self._failures else 0.0
 

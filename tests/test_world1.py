@@ -128,7 +128,7 @@ def test_fp32_world1_is_plain_training_without_collectives_or_copies(dist_pool):
     peak, unsharded, grad_now, grad_peak, copies = result["probe"]
     assert (peak, unsharded, grad_now, copies) == (0, 0, 0, 0) and grad_peak > 0, result
     # no memory changes for the full buffer (no unshard/reshard events); every gradient buffer
-    # allocated is handed over (freed as a buffer) once, at its "reduction", issued and waited
+    # allocated is adopted (freed as a buffer) once, at its "reduction", issued and waited
     events, per_run = result["events"], STEPS * result["dbuffers"]
     assert events == {"GRAD_BUFFER_ALLOCATED": per_run, "GRAD_BUFFER_FREED": per_run,
                       "REDUCE_ISSUED": per_run, "REDUCE_WAITED": per_run}, result
@@ -364,7 +364,7 @@ def test_stream_schedule_at_world1_follows_the_ordering_rules(dist_pool):
     result = dist_pool(1).run(check_stream_schedule)[0]
     bf16, fp32 = result["bf16"], result["fp32"]
     # bf16: every cast runs in an all-gather span compute waits before any use, every gradient
-    # buffer is handed over after compute waited its (empty) reduce span; no collective anywhere
+    # buffer is adopted after compute waited its (empty) reduce span; no collective anywhere
     assert bf16["problems"] == [], bf16
     assert len(bf16["spans"]["all_gather"]) == bf16["unshards"] and not any(bf16["spans"]["all_gather"]), bf16
     for run in (bf16, fp32):

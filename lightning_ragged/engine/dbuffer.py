@@ -30,7 +30,7 @@ Gradients follow DDP: a parameter no rank used in a backward keeps ``grad is Non
 no collective, no copy. Without a cast or fp8 the full buffer *is* the segment (``full_is_shard``):
 unshard/reshard only swap the module's views (no event: no memory changes). With a cast, the cast
 written into the full buffer is the "gather" (its events; ``keep_cast_shard`` keeps nothing). The
-gradient buffer, a tensor of its own each backward, becomes the sharded gradient (``sharded_grad.py``).
+gradient buffer, a tensor of its own each backward, is adopted as the sharded gradient (``sharded_grad.py``).
 
 The collective calls themselves are in ``collectives.py``, on the comm streams of ``streams.py`` (no-op on
 CPU); the all-gather's source is from ``shard_cast.py`` (``partial_reshard.py``'s kept part, ``fp8_gather.py``).
@@ -58,6 +58,7 @@ from lightning_ragged.layout.ragged_shard import RaggedShard
 
 if TYPE_CHECKING:
     from lightning_ragged.engine.fp8_gather import Fp8Gather
+
 
 class DBuffer:
     """Flat sharded/unsharded/gradient storage for one group of parameters."""
@@ -138,7 +139,8 @@ class DBuffer:
         self._build_full(alias=self.single_rank and self.param_dtype == self.master_dtype)
         self._view_grad_buffer()
         storage.free(self.unsharded_grad)
-        self._no_grad_buffer = self.unsharded_grad  # single rank: once its buffer became the sharded gradient
+        self._freed_grad_buffer = self.unsharded_grad
+        """The freed placeholder gradient buffer: ``unsharded_grad`` again once a single rank's buffer is adopted."""
         self._pending_unshard: PendingCollective | None = None
         self._pending_reduce: PendingCollective | None = None
 
@@ -216,8 +218,7 @@ class DBuffer:
         else:
             storage.allocate(self.unsharded, self._unsharded_bytes)
             if self.single_rank:  # with a cast (else ``full_is_shard``): the cast is the gather, no collective
-                self._gather_target.copy_(self.sharded)
-                self.shard_cast.casts += 1
+                self.shard_cast.cast_into(self._gather_target, self.sharded)
                 self._pending_unshard = PendingCollective(None, started, self.sharded)
                 return
             if self._partial is not None:  # kept by reshard_after_forward=int: gather inside the smaller group
@@ -298,7 +299,7 @@ class DBuffer:
             observed(self, EventKind.GRAD_BUFFER_ALLOCATED, None, self._allocate_grad)
 
     def _allocate_grad(self) -> None:
-        if self.single_rank:  # a tensor of its own each backward: the reduction hands it over (sharded_grad.py)
+        if self.single_rank:  # a tensor of its own each backward: the reduction adopts it (sharded_grad.py)
             self.unsharded_grad = torch.empty(self.full_numel, dtype=self.reduce_dtype, device=self.device)
             self._view_grad_buffer()
         else:
@@ -382,7 +383,7 @@ class DBuffer:
         replicas = 1 if self.replicate_group is None else dist.get_world_size(self.replicate_group)
         scale = 1.0 / (self.world_size * replicas)
         adopted = self._grad.write(self.sharded_params, own_segment, scale, adoptable=self.single_rank)
-        self.free_unsharded_grad(handed_over=adopted)
+        self.free_unsharded_grad(adopted=adopted)
 
     @property
     def trainable_count(self) -> int:
@@ -419,14 +420,14 @@ class DBuffer:
     def sharded_grad(self, value: torch.Tensor | None) -> None:
         self._grad.flat = value
 
-    def free_unsharded_grad(self, handed_over: bool = False) -> None:
-        """Detach the parameters' gradients from the buffer and free it (``handed_over``: now the sharded gradient)."""
+    def free_unsharded_grad(self, adopted: bool = False) -> None:
+        """Detach the parameters' gradients from the buffer and free it (``adopted``: now the sharded gradient)."""
         for param in self.unsharded_params.values():
             param.grad = None
         self._landed.clear()
-        if handed_over:  # single rank: forget the buffer and its views, which would keep it alive
-            self.unsharded_grad, self._unsharded_grad_views = self._no_grad_buffer, {}
-        if (handed_over or storage.free(self.unsharded_grad)) and self.observers:
+        if adopted:  # single rank: forget the buffer and its views, which would keep it alive
+            self.unsharded_grad, self._unsharded_grad_views = self._freed_grad_buffer, {}
+        if (adopted or storage.free(self.unsharded_grad)) and self.observers:
             notify(self, EventKind.GRAD_BUFFER_FREED)
 
     # ------------------------------------------------------------- full views
@@ -446,4 +447,3 @@ class DBuffer:
             for name, tensor in tensors.items():
                 param = self.sharded_params[name]
                 param.copy_(param.ragged_shard.local_part(tensor))
-

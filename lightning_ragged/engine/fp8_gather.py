@@ -47,7 +47,7 @@ from torch import nn
 from lightning_ragged.engine import collectives, storage
 from lightning_ragged.engine.collectives import PendingCollective
 from lightning_ragged.engine.grouping import parameter_slots
-from lightning_ragged.engine.shard_cast import ShardCast
+from lightning_ragged.engine.shard_cast import KeptWhileUnchanged
 from lightning_ragged.layout.errors import RaggedShardBoundaryViolation
 from lightning_ragged.layout.spec import Layout
 
@@ -227,7 +227,7 @@ class Fp8Gather:
         self.table = float32_table(self.dtype) if _table_is_faster(self.device, self.dtype) else None
         """fp8 byte -> fp32 for the dequantization, where that beats torch's cast (CPU, e4m3); else None."""
         self.source = _KeptChunk(self.quantize, keep)
-        """Where the send chunk comes from: a fresh quantization, or the kept one (``source.casts`` counts them)."""
+        """Where the send chunk comes from: a fresh quantization, or the kept one (``source.made`` counts them)."""
         self.world_size, self.segment_size = layout.world_size, layout.segment_size
         pieces: list[_Piece] = []
         tiles_per_rank = []
@@ -258,7 +258,7 @@ class Fp8Gather:
     @property
     def quantizations(self) -> int:
         """Chunks quantized so far (gathers that reused the kept chunk made none)."""
-        return self.source.casts
+        return self.source.made
 
     def quantize(self, sharded: torch.Tensor) -> torch.Tensor:
         """This rank's wire chunk: its segment in fp8 and its tiles' scales, from the master segment ``sharded``."""
@@ -297,22 +297,15 @@ class Fp8Gather:
         return _PendingFp8Gather(pending, gathered, lambda received: self.dequantize(received, full))
 
 
-class _KeptChunk(ShardCast):
-    """The send chunk of one fp8 DBuffer, kept by ``ShardCast``'s rule when ``keep`` (its version counter,
-    its optimizer step hooks, ``drop``/``kept_bytes``); what it makes is a quantization, not a cast."""
+class _KeptChunk(KeptWhileUnchanged):
+    """The send chunk of one fp8 DBuffer, kept by ``shard_cast.py``'s rule when ``keep``; made by a quantization."""
 
     def __init__(self, quantize: Callable[[torch.Tensor], torch.Tensor], keep: bool) -> None:
-        super().__init__(torch.uint8, keep)
+        super().__init__(keep)
         self._quantize = quantize
 
-    def of(self, sharded: torch.Tensor) -> torch.Tensor:
-        if self._kept is not None and self._version == sharded._version:
-            return self._kept
-        chunk = self._quantize(sharded)
-        self.casts += 1
-        if self.keep:
-            self._kept, self._version = chunk, sharded._version
-        return chunk
+    def _make(self, sharded: torch.Tensor) -> torch.Tensor:
+        return self._quantize(sharded)
 
 
 class _PendingFp8Gather(PendingCollective):

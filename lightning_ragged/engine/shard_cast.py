@@ -34,18 +34,18 @@ from typing import Any
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-_KEPT: "weakref.WeakSet[ShardCast]" = weakref.WeakSet()
+_KEPT: "weakref.WeakSet[KeptWhileUnchanged]" = weakref.WeakSet()
 _hooks: list[Any] = []
 
 
-class ShardCast:
-    """The all-gather source of one DBuffer's shard: itself, a fresh cast, or the kept one."""
+class KeptWhileUnchanged:
+    """A value made from a shard (subclasses say how, in :meth:`_make`), with ``keep`` kept while the
+    shard's version is unchanged and dropped at every optimizer step (the rule above)."""
 
-    def __init__(self, dtype: torch.dtype, keep: bool) -> None:
-        self.dtype = dtype
+    def __init__(self, keep: bool) -> None:
         self.keep = keep
-        self.casts = 0
-        """Casts made so far (the all-gathers that reused the kept one made none)."""
+        self.made = 0
+        """Values made so far (the uses that reused the kept one made none)."""
         self._kept: torch.Tensor | None = None
         self._version = -1
         if keep:
@@ -54,22 +54,24 @@ class ShardCast:
                 _hooks.append(register_optimizer_step_pre_hook(_drop_all))
                 _hooks.append(register_optimizer_step_post_hook(_drop_all))
 
+    def _make(self, sharded: torch.Tensor) -> torch.Tensor:
+        """A new value of ``sharded`` (each subclass's: a cast, a quantization)."""
+        raise NotImplementedError
+
     def kept(self, sharded: torch.Tensor) -> torch.Tensor | None:
-        """With ``keep`` and a cast to make: the kept cast, made now if stale (call it on the compute stream,
-        before the all-gather's issue); else None (the issue makes its own source with :meth:`of`)."""
-        return self.of(sharded) if self.keep and sharded.dtype != self.dtype else None
+        """With ``keep``: the kept value, made now if stale (call it on the compute stream, before the
+        all-gather's issue); else None (the issue makes its own with :meth:`of`)."""
+        return self.of(sharded) if self.keep else None
 
     def of(self, sharded: torch.Tensor) -> torch.Tensor:
-        """``sharded`` in the compute dtype (no copy when it already is one)."""
-        if sharded.dtype == self.dtype:
-            return sharded
+        """The value of ``sharded``: the kept one while the shard is unchanged, else made now (kept with ``keep``)."""
         if self._kept is not None and self._version == sharded._version:
             return self._kept
-        cast = sharded.to(self.dtype)
-        self.casts += 1
+        value = self._make(sharded)
+        self.made += 1
         if self.keep:
-            self._kept, self._version = cast, sharded._version
-        return cast
+            self._kept, self._version = value, sharded._version
+        return value
 
     @property
     def kept_bytes(self) -> int:
@@ -79,7 +81,37 @@ class ShardCast:
         self._kept = None
 
 
+class ShardCast(KeptWhileUnchanged):
+    """The all-gather source of one DBuffer's shard: itself, a fresh cast, or the kept one."""
+
+    def __init__(self, dtype: torch.dtype, keep: bool) -> None:
+        super().__init__(keep)
+        self.dtype = dtype
+
+    @property
+    def casts(self) -> int:
+        """Casts made so far (the all-gathers that reused the kept one made none)."""
+        return self.made
+
+    def _make(self, sharded: torch.Tensor) -> torch.Tensor:
+        return sharded.to(self.dtype)
+
+    def kept(self, sharded: torch.Tensor) -> torch.Tensor | None:
+        """With ``keep`` and a cast to make: the kept cast, made now if stale (call it on the compute stream,
+        before the all-gather's issue); else None (the issue makes its own source with :meth:`of`)."""
+        return super().kept(sharded) if sharded.dtype != self.dtype else None
+
+    def of(self, sharded: torch.Tensor) -> torch.Tensor:
+        """``sharded`` in the compute dtype (no copy when it already is one)."""
+        return sharded if sharded.dtype == self.dtype else super().of(sharded)
+
+    def cast_into(self, target: torch.Tensor, sharded: torch.Tensor) -> None:
+        """A single rank's "gather": ``sharded`` cast straight into ``target`` (the full buffer), counted, not kept."""
+        target.copy_(sharded)
+        self.made += 1
+
+
 def _drop_all(*_: Any) -> None:
-    """An optimizer step (before and after): every kept cast may be stale (fused kernels bump no version)."""
-    for cast in list(_KEPT):
-        cast.drop()
+    """An optimizer step (before and after): every kept value may be stale (fused kernels bump no version)."""
+    for kept in list(_KEPT):
+        kept.drop()

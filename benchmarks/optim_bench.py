@@ -134,7 +134,7 @@ def _ragged(granularity: str) -> dict:
 
     set_grads = _ragged_grads(params)
     seconds, collectives, sent = _time_steps(muon.step, set_grads)
-    loads = muon.last_plan.flops_per_rank[0]
+    loads = muon.last_plan.cost_per_rank[0]
     layouts = [dbuffer.layout for dbuffer in get_state(model).dbuffers()]
     padding = sum(l.padding for l in layouts) / sum(l.buffer_numel for l in layouts)
     return dict(seconds=seconds, collectives=collectives, sent=sent, loads=loads, padding=padding,

@@ -377,10 +377,10 @@ def test_muon_load_balances_experts_as_units():
     muon = Muon([("experts", param)])
     jobs = muon._matrix_jobs(param, muon.param_groups[0], torch.zeros(100))
     plan = muon._assign_roots(jobs)
-    assert [job.owner() for job in jobs] == [0, None, 1, 1]
+    assert [job.holder() for job in jobs] == [0, None, 1, 1]
     assert [job.piece(0) for job in jobs] == [(0, 64), (0, 36), (0, 0), (0, 0)]
     assert (plan.owned, plan.split, jobs[1].root) == (3, 1, 0)
-    assert plan.flops_per_rank[0] == [2 * ns_flops((8, 8)), 2 * ns_flops((8, 8))] and plan.balance() == 1.0
+    assert plan.cost_per_rank[0] == [2 * ns_flops((8, 8)), 2 * ns_flops((8, 8))] and plan.balance() == 1.0
 
 
 def test_split_muon_params_sends_expert_stacks_to_muon():

@@ -5,23 +5,22 @@ See docs/optimizers.md for the granularity each one needs and a Lightning exampl
 
 from lightning_ragged.optim.adamw8bit import AdamW8bit, block_granularity
 from lightning_ragged.optim.eigh import EigendecompositionError
-from lightning_ragged.optim.muon import Muon, MuonPlan, ns_flops, split_muon_params
+from lightning_ragged.optim.muon import Muon, ns_flops, split_muon_params
 from lightning_ragged.optim.muon_adamw import MuonWithAuxAdamW, muon_param_groups
 from lightning_ragged.optim.named_state import RaggedOptimizer
+from lightning_ragged.optim.owners import OwnerPlan
 from lightning_ragged.optim.shampoo import Shampoo
 from lightning_ragged.optim.soap import SOAP
-from lightning_ragged.optim.tiles import TilePlan
 
 __all__ = [
     "AdamW8bit",
     "EigendecompositionError",
     "Muon",
-    "MuonPlan",
     "MuonWithAuxAdamW",
+    "OwnerPlan",
     "RaggedOptimizer",
     "SOAP",
     "Shampoo",
-    "TilePlan",
     "block_granularity",
     "muon_param_groups",
     "ns_flops",

@@ -15,8 +15,8 @@ does it on the full tensor):
      plan that happens to keep it whole) is orthogonalized by its owner — no collective;
      the new values reach the other ranks through the next all-gather;
    * a matrix split across ranks is sent to a root rank chosen by load balancing
-     (greedy, largest first, experts and heads as units, on Newton–Schulz FLOPs ≈ 5·(4a²b + 2a³) for a ≤ b, counting
-     the owned matrices' work too), orthogonalized there and its pieces sent back. All
+     (``optim/owners.py``: greedy, largest first, experts and heads as units, on Newton–Schulz FLOPs
+     ≈ 5·(4a²b + 2a³) for a ≤ b, counting the owned matrices' work too), orthogonalized there and its pieces sent back. All
      split matrices of a shard group travel in **one** asynchronous ``all_to_all_single``
      each way (uneven splits; works on gloo and NCCL; ``optim/tile_exchange.py``, shared with Shampoo
      and SOAP), in bf16 — Newton–Schulz casts to
@@ -46,7 +46,7 @@ so all of a parameter's matrices step or none do.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping
 
 import torch
@@ -55,6 +55,7 @@ from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
 
 from lightning_ragged.optim.muon_matrices import HeadSpec, Ranges, matrix_layout, matrix_pieces
 from lightning_ragged.optim.named_state import RaggedOptimizer
+from lightning_ragged.optim.owners import OwnerPlan
 from lightning_ragged.optim.shards import local_flat, shard_group_key
 from lightning_ragged.optim.tile_exchange import SplitExchange
 from lightning_ragged.layout.granularity import NON_MUON_NAME_PARTS, is_muon_matrix
@@ -105,13 +106,16 @@ class _Job:
     pieces: Ranges  # every rank's piece of this matrix, relative to the matrix
     update: torch.Tensor | None  # this rank's piece of the momentum update (fp32); None: no gradient here
     local_start: int  # where that piece starts in this rank's flat shard of the parameter
-    root: int = -1  # rank (in its shard group) that runs Newton–Schulz
-    split: bool = False
+    root: int = -1  # rank (in its shard group) that runs Newton–Schulz: its owner
     old_momentum: torch.Tensor | None = None  # a split piece's momentum before this step (put back if it does not step)
 
     @property
     def numel(self) -> int:
         return self.shape[0] * self.shape[1]
+
+    @property
+    def split(self) -> bool:
+        return self.holder() is None
 
     def piece(self, rank: int) -> tuple[int, int]:
         return self.pieces[rank]
@@ -120,7 +124,7 @@ class _Job:
         start, end = self.pieces[rank]
         return end - start
 
-    def owner(self) -> int | None:
+    def holder(self) -> int | None:
         """The rank holding the whole matrix, or None when it is split."""
         return next((rank for rank in range(len(self.pieces)) if self.piece_numel(rank) == self.numel), None)
 
@@ -133,23 +137,8 @@ class _Job:
         return self.local(local_flat(self.param))
 
     def holds_split_piece(self) -> bool:
-        """Whether this rank holds part, not all, of the matrix (it is split: known before roots are assigned)."""
+        """Whether this rank holds part, not all, of the matrix (so it is split)."""
         return 0 < self.piece_numel(self.shard.rank) < self.numel
-
-
-@dataclass
-class MuonPlan:
-    """Where each matrix's Newton–Schulz runs, per shard group, and the resulting FLOPs per rank."""
-
-    flops_per_rank: dict[int, list[int]] = field(default_factory=dict)  # shard group index -> FLOPs per rank
-    owned: int = 0
-    split: int = 0
-
-    def balance(self) -> float:
-        """max/mean Newton–Schulz FLOPs over the ranks of the (first) shard group; 1.0 is perfect."""
-        loads = next(iter(self.flops_per_rank.values()), [0])
-        mean = sum(loads) / len(loads)
-        return max(loads) / mean if mean else 1.0
 
 
 class Muon(RaggedOptimizer):
@@ -211,7 +200,7 @@ class Muon(RaggedOptimizer):
                         "(lightning_ragged.optim.split_muon_params(model.named_parameters()) splits them)"
                     )
                 matrix_layout(self.param_name(param), shape, qkv_heads)  # refuses a bad qkv_heads entry now
-        self.last_plan: MuonPlan | None = None
+        self.last_plan: OwnerPlan | None = None
         self._exchanges: dict[int, tuple[tuple[Any, ...], SplitExchange]] = {}  # shard group -> (its key, exchange)
         self.newton_schulz: Callable[..., torch.Tensor] = _zeropower_via_newtonschulz
 
@@ -288,27 +277,14 @@ class Muon(RaggedOptimizer):
             jobs.append(_Job(param, group, shard, shape, pieces, piece, local))
         return jobs
 
-    def _assign_roots(self, jobs: list[_Job]) -> MuonPlan:
-        """Owners keep whole matrices; split ones go, largest first, to the least-loaded rank."""
-        plan = MuonPlan()
-        group_index: dict[int, int] = {}
+    def _assign_roots(self, jobs: list[_Job]) -> OwnerPlan:
+        """Every matrix's owner (``root``) per shard group, balancing Newton–Schulz FLOPs (``optim/owners.py``)."""
+        by_group: dict[int, list[_Job]] = {}
         for job in jobs:
-            key = group_index.setdefault(shard_group_key(job.shard), len(group_index))
-            loads = plan.flops_per_rank.setdefault(key, [0] * job.shard.world_size)
-            owner = job.owner()
-            if owner is not None:
-                job.root = owner
-                loads[owner] += ns_flops(job.shape, job.group["ns_steps"])
-                plan.owned += 1
-        split = [job for job in jobs if job.root < 0]
-        order = sorted(range(len(split)), key=lambda i: (-ns_flops(split[i].shape), i))
-        for index in order:
-            job = split[index]
-            loads = plan.flops_per_rank[group_index[shard_group_key(job.shard)]]
-            job.root = min(range(len(loads)), key=lambda r: (loads[r], -job.piece_numel(r), r))
-            job.split = True
-            loads[job.root] += ns_flops(job.shape, job.group["ns_steps"])
-            plan.split += 1
+            by_group.setdefault(shard_group_key(job.shard), []).append(job)
+        plan = OwnerPlan()
+        for key, group_jobs in enumerate(by_group.values()):
+            plan.assign(key, group_jobs, lambda job: ns_flops(job.shape, job.group["ns_steps"]))
         return plan
 
     def _step_process_group(self, jobs: list[_Job]) -> None:
@@ -342,10 +318,7 @@ class Muon(RaggedOptimizer):
         results: dict[int, torch.Tensor | None] = {}
         for i, full in exchange.gathered().items():
             job = split[i]
-            complete = all(
-                job.update is not None if rank == me else exchange.marks_in[(i, rank)]
-                for rank in range(len(job.pieces)) if job.piece_numel(rank)
-            )
+            complete = exchange.complete(i, job.update is not None)
             results[i] = self._orthogonalize(job, full.view(job.shape)).reshape(-1) if complete else None
         exchange.scatter(results, {i: result is not None for i, result in results.items()})
         for i, result in results.items():

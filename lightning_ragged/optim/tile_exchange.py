@@ -17,6 +17,7 @@ whatever it holds. With ``marked=True`` every piece travels with one *mark* (a 0
 Shampoo and SOAP send "this rank has a gradient" to the root and "the item stepped" back), and every
 rank sends every other rank one *status* value in the scatter (0: fine; Shampoo and SOAP report
 a failed eigendecomposition), so news reaches every rank, not only the items' holders.
+``complete(i, has_local)`` (after 2) says whether every holder of item ``i`` marked it.
 
 Work between 1 and 2 (owned items) and between 3 and 4 (the root's own pieces) overlaps the
 transfers. Muon sends bf16 (Newton–Schulz casts to bf16 first), Shampoo and SOAP fp32 (their
@@ -170,6 +171,17 @@ class SplitExchange:
             marks = self._received[self._gather_marks[1]].tolist()  # one device-to-host copy
             self.marks_in = {(item, src): mark != 0 for (item, src, _, _), mark in zip(self._gather.recv, marks)}
         return fulls
+
+    def complete(self, item: int, has_local: bool) -> bool:
+        """After ``gathered``: whether every rank holding a piece of ``item`` (rooted here) marked it.
+
+        ``has_local`` is this rank's own mark (its piece does not travel). Muon, Shampoo and SOAP
+        step a split item only when every holder has a gradient.
+        """
+        return all(
+            has_local if rank == self.rank else self.marks_in[(item, rank)]
+            for rank, piece in enumerate(self.pieces[item]) if _numel(piece)
+        )
 
     def scatter(
         self, results: Mapping[int, Optional[torch.Tensor]], marks: Mapping[int, bool] | None = None, status: float = 0.0

@@ -1,8 +1,8 @@
 """``TiledOptimizer``: the step Shampoo and SOAP share — per-tile math on each tile's owner, on any layout.
 
 Tiles and owners are fixed when parameters join the optimizer (construction, ``add_param_group``;
-``optim/tiles.py``): the layout does not change, and the owner keeps the tile's whole state, so
-ownership must not move between steps. Per step and shard process group:
+``optim/tiles.py``, ``optim/owners.py``): the layout does not change, and the owner keeps the
+tile's whole state, so ownership must not move between steps. Per step and shard process group:
 
 1. the gradient pieces of every split tile go to the tile's owner in **one** asynchronous
    ``all_to_all_single`` (fp32; ``optim/tile_exchange.py``), each piece marked with whether its
@@ -49,7 +49,8 @@ from lightning_ragged.optim.eigh import EigendecompositionError
 from lightning_ragged.optim.named_state import RaggedOptimizer
 from lightning_ragged.optim.shards import local_flat, shard_group_key
 from lightning_ragged.optim.tile_exchange import SplitExchange
-from lightning_ragged.optim.tiles import Tile, TilePlan, tiles_of
+from lightning_ragged.optim.owners import OwnerPlan
+from lightning_ragged.optim.tiles import Tile, eig_cost, tiles_of
 
 _ELSEWHERE = -1.0  # status: this rank failed on a tile of another shard process group
 
@@ -58,7 +59,7 @@ _ELSEWHERE = -1.0  # status: this rank failed on a tile of another shard process
 class _ShardGroupTiles:
     """Every tile of one shard process group (the same list on every rank) and the exchange of its split ones."""
 
-    key: int  # index in TilePlan.cost_per_rank
+    key: int  # index in OwnerPlan.cost_per_rank
     tiles: list[tuple[torch.Tensor, Tile]] = field(default_factory=list)  # position = Tile.index
     whole: list[tuple[torch.Tensor, Tile]] = field(default_factory=list)  # the whole tiles this rank holds
     split: list[tuple[torch.Tensor, Tile]] = field(default_factory=list)  # position = item in the exchange
@@ -77,7 +78,7 @@ class TiledOptimizer(RaggedOptimizer):
         self._shard_groups: dict[int, _ShardGroupTiles] = {}
         self._param_of: dict[int, torch.Tensor] = {}  # id(tile) -> its parameter
         self._failures: list[tuple[torch.Tensor, Tile, str]] = []  # this step's, on this rank
-        self.tile_plan = TilePlan()
+        self.tile_plan = OwnerPlan()
         self._building = True  # the groups torch's __init__ adds are tiled together once it returns
         super().__init__(params, defaults)
         self._building = False
@@ -142,7 +143,7 @@ class TiledOptimizer(RaggedOptimizer):
                 added.setdefault(key, []).extend(tiles)
         for key, tiles in added.items():
             tiled = self._shard_groups[key]
-            self.tile_plan.assign(tiled.key, tiles)
+            self.tile_plan.assign(tiled.key, tiles, lambda tile: eig_cost(tile.shape, tile.one_sided))
             tiled.whole = [(p, t) for p, t in tiled.tiles if not t.split and t.root == t.rank]
             tiled.split = [(p, t) for p, t in tiled.tiles if t.split]
             if tiled.split:
@@ -261,10 +262,7 @@ class TiledOptimizer(RaggedOptimizer):
         updates: dict[int, Optional[torch.Tensor]] = {}
         for i, full in exchange.gathered().items():
             param, tile = tiled.split[i]
-            complete = all(
-                id(param) in grads if rank == tile.rank else exchange.marks_in[(i, rank)]
-                for rank in range(len(tile.pieces)) if tile.piece_numel(rank)
-            )
+            complete = exchange.complete(i, id(param) in grads)
             update = self._update(param, tile, full.view(tile.shape)) if complete else None
             updates[i] = None if update is None else update.reshape(-1)
         return updates

@@ -8,18 +8,15 @@ interval ``[start, end)`` of that order — a *piece*, as ``optim/tile_exchange.
 and lies in the rank's local flat shard as at most three strided blocks (a partial row, full
 rows, a partial row), read and updated in place through ``as_strided`` views.
 
-``TilePlan.assign`` gives every tile one owner per shard process group: a rank holding a tile
-whole owns it (no communication); split tiles go, most expensive first, to the rank with the
-least eigendecomposition work so far (``eig_cost``: r³ + c³, the owned whole tiles counted too,
-and the tiles assigned before: parameters added later by ``add_param_group`` extend the plan),
-ties to the rank holding more of the tile. The owner keeps the tile's whole state. Every rank
-computes the same plan from the same tiles, so no communication decides it.
+Every tile has one owner (``root``) per shard process group, set by ``optim/owners.py``'s
+``OwnerPlan`` on ``eig_cost`` (r³ + c³): the rank holding a tile whole owns it (no communication),
+split tiles go to the least-loaded rank. The owner keeps the tile's whole state.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -64,9 +61,9 @@ class Tile:
 
     @property
     def split(self) -> bool:
-        return self.owner() is None
+        return self.holder() is None
 
-    def owner(self) -> int | None:
+    def holder(self) -> int | None:
         """The rank holding the whole tile, or None when it is split."""
         return next((r for r, (start, end) in enumerate(self.pieces) if end - start == self.numel), None)
 
@@ -140,41 +137,3 @@ def _before(flat: int, row0: int, col0: int, shape: tuple[int, int], width: int)
     rows, cols = shape
     full = min(max(row - row0, 0), rows) * cols
     return full + (min(max(col - col0, 0), cols) if row0 <= row < row0 + rows else 0)
-
-
-@dataclass
-class TilePlan:
-    """Who owns every tile, per shard process group, and the eigendecomposition work that gives each rank."""
-
-    cost_per_rank: dict[int, list[int]] = field(default_factory=dict)  # shard group index -> eig_cost per rank
-    owned: int = 0  # tiles whole on one rank
-    split: int = 0  # tiles cut across ranks (gathered to their owner every step)
-
-    def assign(self, key: int, tiles: Sequence[Tile]) -> None:
-        """Set the ``root`` of new ``tiles`` of shard process group ``key``, counting the work assigned before.
-
-        Holders keep whole tiles; split ones go greedily, most expensive first, to the least-loaded
-        rank (ties: the rank holding more of the tile, then the lower rank).
-        """
-        if not tiles:
-            return
-        loads = self.cost_per_rank.setdefault(key, [0] * len(tiles[0].pieces))
-        split = []
-        for tile in tiles:
-            owner = tile.owner()
-            if owner is None:
-                split.append(tile)
-                continue
-            tile.root = owner
-            loads[owner] += eig_cost(tile.shape, tile.one_sided)
-            self.owned += 1
-        for tile in sorted(split, key=lambda t: -eig_cost(t.shape, t.one_sided)):  # stable: ties keep global order
-            tile.root = min(range(len(loads)), key=lambda r: (loads[r], -tile.piece_numel(r), r))
-            loads[tile.root] += eig_cost(tile.shape, tile.one_sided)
-            self.split += 1
-
-    def balance(self) -> float:
-        """max/mean eigendecomposition work over the ranks of the (first) shard group; 1.0 is perfect."""
-        loads = next(iter(self.cost_per_rank.values()), [0])
-        mean = sum(loads) / len(loads)
-        return max(loads) / mean if mean else 1.0

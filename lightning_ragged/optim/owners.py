@@ -1,0 +1,70 @@
+"""Which rank computes on each item an optimizer needs whole: the *owner* (``root``) of every item.
+
+An item (a Muon matrix, a Shampoo or SOAP tile) has every rank's piece of it, per shard process
+group. ``OwnerPlan.assign`` makes the rank holding an item whole its owner (no communication);
+split items go, most expensive first, to the rank with the least work so far (the owned items
+counted too, and the items assigned before under the same key), ties to the rank holding more of
+the item, then the lower rank. Every rank computes the same plan from the same items, so no
+communication decides it. Muon costs an item by its Newton–Schulz FLOPs and plans every step;
+Shampoo and SOAP by their eigendecomposition work and extend one plan as parameters join.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Protocol, Sequence, TypeVar
+
+
+class Item(Protocol):
+    """What the plan reads and sets on an item."""
+
+    pieces: Sequence[tuple[int, int]]  # every rank's [start, end) in the item's own flattening
+    root: int  # set by the plan: the owner
+
+    def holder(self) -> int | None:
+        """The rank holding the whole item, or None when it is split."""
+
+    def piece_numel(self, rank: int) -> int:
+        """How many of the item's elements ``rank`` holds."""
+
+
+ItemT = TypeVar("ItemT", bound=Item)
+
+
+@dataclass
+class OwnerPlan:
+    """The owner of every item, per shard process group, and the work that gives each rank."""
+
+    cost_per_rank: dict[int, list[int]] = field(default_factory=dict)  # shard group index -> work per rank
+    owned: int = 0  # items whole on one rank
+    split: int = 0  # items cut across ranks (gathered to their owner every step)
+
+    def assign(self, key: int, items: Sequence[ItemT], cost: Callable[[ItemT], int]) -> None:
+        """Set the ``root`` of new ``items`` of shard process group ``key``, counting the work assigned before.
+
+        Holders keep whole items; split ones go greedily, most expensive first (``cost``; ties keep
+        the given order), to the least-loaded rank (ties: the rank holding more of the item, then
+        the lower rank).
+        """
+        if not items:
+            return
+        loads = self.cost_per_rank.setdefault(key, [0] * len(items[0].pieces))
+        split = []
+        for item in items:
+            holder = item.holder()
+            if holder is None:
+                split.append(item)
+                continue
+            item.root = holder
+            loads[holder] += cost(item)
+            self.owned += 1
+        for item in sorted(split, key=lambda i: -cost(i)):  # stable: ties keep the given order
+            item.root = min(range(len(loads)), key=lambda r: (loads[r], -item.piece_numel(r), r))
+            loads[item.root] += cost(item)
+            self.split += 1
+
+    def balance(self) -> float:
+        """max/mean work over the ranks of the (first) shard group; 1.0 is perfect."""
+        loads = next(iter(self.cost_per_rank.values()), [0])
+        mean = sum(loads) / len(loads)
+        return max(loads) / mean if mean else 1.0

@@ -55,7 +55,7 @@ from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
 
 from lightning_ragged.optim.muon_matrices import HeadSpec, Ranges, matrix_layout, matrix_pieces
 from lightning_ragged.optim.named_state import RaggedOptimizer
-from lightning_ragged.optim.owners import OwnerPlan
+from lightning_ragged.optim.owners import Item, OwnerPlan
 from lightning_ragged.optim.shards import local_flat, shard_group_key
 from lightning_ragged.optim.tile_exchange import SplitExchange
 from lightning_ragged.layout.granularity import NON_MUON_NAME_PARTS, is_muon_matrix
@@ -96,7 +96,7 @@ def split_muon_params(
 
 
 @dataclass
-class _Job:
+class _Job(Item):
     """One matrix in this step: a whole 2-D parameter, one expert or one head."""
 
     param: torch.Tensor
@@ -109,24 +109,8 @@ class _Job:
     root: int = -1  # rank (in its shard group) that runs Newton–Schulz: its owner
     old_momentum: torch.Tensor | None = None  # a split piece's momentum before this step (put back if it does not step)
 
-    @property
-    def numel(self) -> int:
-        return self.shape[0] * self.shape[1]
-
-    @property
-    def split(self) -> bool:
-        return self.holder() is None
-
     def piece(self, rank: int) -> tuple[int, int]:
         return self.pieces[rank]
-
-    def piece_numel(self, rank: int) -> int:
-        start, end = self.pieces[rank]
-        return end - start
-
-    def holder(self) -> int | None:
-        """The rank holding the whole matrix, or None when it is split."""
-        return next((rank for rank in range(len(self.pieces)) if self.piece_numel(rank) == self.numel), None)
 
     def local(self, flat: torch.Tensor) -> torch.Tensor:
         """This rank's piece of the matrix in ``flat``, a tensor laid out as the parameter's local flat shard."""

@@ -12,20 +12,36 @@ Shampoo and SOAP by their eigendecomposition work and extend one plan as paramet
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Protocol, Sequence, TypeVar
+from typing import Callable, Sequence, TypeVar
 
 
-class Item(Protocol):
-    """What the plan reads and sets on an item."""
+class Item:
+    """A matrix or tile an optimizer needs whole, of ``shape``, spread over ranks as ``pieces``.
 
-    pieces: Sequence[tuple[int, int]]  # every rank's [start, end) in the item's own flattening
-    root: int  # set by the plan: the owner
+    Subclasses (dataclasses) define ``shape``, ``pieces`` (every rank's [start, end) in the item's
+    own row-major flattening) and ``root`` (set by the plan: the owner).
+    """
+
+    shape: tuple[int, int]
+    pieces: Sequence[tuple[int, int]]
+    root: int
+
+    @property
+    def numel(self) -> int:
+        return self.shape[0] * self.shape[1]
+
+    @property
+    def split(self) -> bool:
+        return self.holder() is None
 
     def holder(self) -> int | None:
         """The rank holding the whole item, or None when it is split."""
+        return next((rank for rank in range(len(self.pieces)) if self.piece_numel(rank) == self.numel), None)
 
     def piece_numel(self, rank: int) -> int:
         """How many of the item's elements ``rank`` holds."""
+        start, end = self.pieces[rank]
+        return end - start
 
 
 ItemT = TypeVar("ItemT", bound=Item)

@@ -22,6 +22,7 @@ from typing import Sequence
 import torch
 
 from lightning_ragged.layout.ragged_shard import RaggedShard
+from lightning_ragged.optim.owners import Item
 
 Piece = tuple[int, int]
 
@@ -40,7 +41,7 @@ def eig_cost(shape: tuple[int, int], one_sided: bool) -> int:
 
 
 @dataclass
-class Tile:
+class Tile(Item):
     """One tile of one parameter: its place in the matrix, every rank's piece, its owner (``root``)."""
 
     tile_id: str  # "i,j", global coordinates: the key of its state
@@ -54,22 +55,6 @@ class Tile:
     one_sided: bool  # a vector tile: one factor only
     root: int = -1
     index: int = -1  # position among its shard process group's tiles (the same on every rank)
-
-    @property
-    def numel(self) -> int:
-        return self.shape[0] * self.shape[1]
-
-    @property
-    def split(self) -> bool:
-        return self.holder() is None
-
-    def holder(self) -> int | None:
-        """The rank holding the whole tile, or None when it is split."""
-        return next((r for r, (start, end) in enumerate(self.pieces) if end - start == self.numel), None)
-
-    def piece_numel(self, rank: int) -> int:
-        start, end = self.pieces[rank]
-        return end - start
 
     def _views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """This rank's piece as 2-D strided views into its local flat shard (``flat``), in tile order."""

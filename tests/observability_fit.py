@@ -16,6 +16,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from tests.clean_exit import exit_without_teardown  # noqa: E402
+
 import torch  # noqa: E402
 import lightning.pytorch as pl  # noqa: E402
 from lightning.pytorch.loggers.logger import Logger  # noqa: E402
@@ -127,3 +129,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_without_teardown()

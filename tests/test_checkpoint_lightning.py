@@ -30,6 +30,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from tests.clean_exit import exit_without_teardown  # noqa: E402
+
 import lightning.pytorch as L  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -329,3 +331,4 @@ def test_consolidated_checkpoint_loads_without_lightning_ragged(runs) -> None:
 
 if __name__ == "__main__":
     _main(sys.argv[1], sys.argv[2])
+    exit_without_teardown()

@@ -31,6 +31,7 @@ def _fit(out: str) -> None:
 
     import lightning_ragged  # noqa: F401  (registers "ragged_fsdp")
     from lightning_ragged.optim import MuonWithAuxAdamW, muon_param_groups
+    from tests.clean_exit import exit_without_teardown
     from tests.lightning_models import LitTinyGPT, token_loader
 
     warnings.filterwarnings("ignore")
@@ -76,6 +77,8 @@ def _fit(out: str) -> None:
     )
     if trainer.global_rank == 0:
         Path(out).write_text(json.dumps(result))
+    dist.barrier()
+    exit_without_teardown()  # the result is written (tests/clean_exit.py)
 
 
 def test_trainer_muon_adamw_loss_falls(tmp_path):

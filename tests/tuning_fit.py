@@ -20,6 +20,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from tests.clean_exit import exit_without_teardown  # noqa: E402
+
 import lightning_ragged  # noqa: E402,F401  (registers "ragged_fsdp")
 from lightning_ragged import RaggedFSDPStrategy, get_state  # noqa: E402
 from lightning_ragged.lightning.callbacks import RaggedFSDPMetrics  # noqa: E402
@@ -74,3 +76,4 @@ def main(out: Path) -> None:
 
 if __name__ == "__main__":
     main(Path(sys.argv[1]))
+    exit_without_teardown()

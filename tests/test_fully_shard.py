@@ -417,9 +417,9 @@ def check_full_state_dict_bad_flags() -> list[str]:
 def test_full_state_dict_bad_flags(dist_pool):
     messages = dist_pool(2).run(check_full_state_dict_bad_flags)[0]
     assert messages == [
-        "cpu_offload='yes' must be True or False",
-        "rank0_only=1 must be True or False",
-        "broadcast_from_rank0=None must be True or False",
+        "cpu_offload='yes' must be a bool: pass cpu_offload=True or cpu_offload=False",
+        "rank0_only=1 must be a bool: pass rank0_only=True or rank0_only=False",
+        "broadcast_from_rank0=None must be a bool: pass broadcast_from_rank0=True or broadcast_from_rank0=False",
     ]
 
 

@@ -27,6 +27,7 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from lightning_ragged.engine.auto_grouping import auto_groups
+from lightning_ragged.engine.checks import check_flag
 from lightning_ragged.engine.collectives import CommStats
 from lightning_ragged.engine.dbuffer import DBuffer
 from lightning_ragged.engine.fp8_gather import Float8AllGather, Fp8Gather, fp8_param_ids, tile_granularity
@@ -127,8 +128,7 @@ def fully_shard(
     flags = (("sync_module_states", sync_module_states), ("broadcast_buffers", broadcast_buffers),
              ("keep_last_unsharded", keep_last_unsharded), ("keep_cast_shard", keep_cast_shard))
     for knob, flag in flags:
-        if not isinstance(flag, bool):
-            raise TypeError(f"{knob}={flag!r} must be a bool: pass {knob}=True or {knob}=False")
+        check_flag(knob, flag)
     if isinstance(max_inflight_all_gathers, bool) or not isinstance(max_inflight_all_gathers, int) \
             or max_inflight_all_gathers < 0:
         raise ValueError(

@@ -16,8 +16,7 @@ from torch import nn
 
 from lightning_ragged.engine.state_dict import full_state_dict
 
-_FSDP_CLASSES: dict[type, type] = {}
-_GATHER_CLASSES: dict[type, type] = {}
+_SUBCLASSES: dict[tuple[type, bool], type] = {}
 
 
 class FSDPModule:
@@ -122,15 +121,8 @@ def make_fsdp_module(module: nn.Module) -> None:
     cls = type(module)
     if issubclass(cls, FSDPModule):
         return
-    cls = cls.__dict__.get("_ragged_original", cls)  # already given the save_pretrained gather: start from its class
-    new_cls = _FSDP_CLASSES.get(cls)
-    if new_cls is None:
-        namespace: dict[str, Any] = {"__module__": cls.__module__, "_ragged_original": cls}
-        if callable(getattr(cls, "save_pretrained", None)):  # a transformers model
-            namespace["save_pretrained"] = _sharded_save_pretrained
-        new_cls = type(f"RaggedFSDP{cls.__name__}", (FSDPModule, cls), namespace)
-        _FSDP_CLASSES[cls] = new_cls
-    module.__class__ = new_cls
+    # already given the save_pretrained gather: start from its original class
+    module.__class__ = _subclass(cls.__dict__.get("_ragged_original", cls), fsdp=True)
 
 
 def make_save_pretrained_gather(root: nn.Module) -> None:
@@ -142,14 +134,22 @@ def make_save_pretrained_gather(root: nn.Module) -> None:
     """
     for module in root.modules():
         cls = type(module)
-        if "_ragged_original" in cls.__dict__ or not callable(getattr(cls, "save_pretrained", None)):
-            continue
-        new_cls = _GATHER_CLASSES.get(cls)
-        if new_cls is None:
-            namespace = {"__module__": cls.__module__, "_ragged_original": cls, "save_pretrained": _sharded_save_pretrained}
-            new_cls = type(cls.__name__, (cls,), namespace)
-            _GATHER_CLASSES[cls] = new_cls
-        module.__class__ = new_cls
+        if "_ragged_original" not in cls.__dict__ and callable(getattr(cls, "save_pretrained", None)):
+            module.__class__ = _subclass(cls, fsdp=False)
+
+
+def _subclass(cls: type, fsdp: bool) -> type:
+    """``cls`` remembering itself as ``_ragged_original``, with the gathering ``save_pretrained`` for a
+    ``transformers`` model; ``fsdp``: also an :class:`FSDPModule`, named ``RaggedFSDP<Class>`` (made once per class)."""
+    new_cls = _SUBCLASSES.get((cls, fsdp))
+    if new_cls is None:
+        namespace: dict[str, Any] = {"__module__": cls.__module__, "_ragged_original": cls}
+        if callable(getattr(cls, "save_pretrained", None)):
+            namespace["save_pretrained"] = _sharded_save_pretrained
+        bases = (FSDPModule, cls) if fsdp else (cls,)
+        new_cls = type(f"RaggedFSDP{cls.__name__}" if fsdp else cls.__name__, bases, namespace)
+        _SUBCLASSES[cls, fsdp] = new_cls
+    return new_cls
 
 
 def _sharded_save_pretrained(self: nn.Module, save_directory: Any, *args: Any, **kwargs: Any) -> None:

@@ -15,7 +15,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_ragged.engine import collectives
+from lightning_ragged.engine import collectives, storage
+from lightning_ragged.engine.checks import check_flag
 from lightning_ragged.engine.runtime import get_state
 from lightning_ragged.engine.dbuffer import DBuffer
 
@@ -64,8 +65,8 @@ def full_state_dict(module: nn.Module, *, cpu_offload: bool = False, rank0_only:
     ``{}``. The names are those of torch's ``FullStateDictConfig(offload_to_cpu, rank0_only)``
     and ``StateDictOptions(cpu_offload=...)``.
     """
-    _check_flag("cpu_offload", cpu_offload)
-    _check_flag("rank0_only", rank0_only)
+    check_flag("cpu_offload", cpu_offload)
+    check_flag("rank0_only", rank0_only)
     keys = sharded_params(module)
     names: dict[int, dict[str, None]] = {}
     for entry in keys.values():
@@ -114,7 +115,7 @@ def _gather_full(
             view = dbuffer.full_view(full, name)
             out[name] = view.to(dbuffer.device if device is None else device, copy=True)
     if full is not None:
-        full.untyped_storage().resize_(0)  # now, not when the backend's work object lets go of it
+        storage.free(full)  # now, not when the backend's work object lets go of it
     return out
 
 
@@ -136,7 +137,7 @@ def load_full_state_dict(
     DBuffer's tensors at a time into a flat buffer on the DBuffer's device and broadcasts
     it, so no rank holds more than one DBuffer's full size beyond rank 0's own dict.
     """
-    _check_flag("broadcast_from_rank0", broadcast_from_rank0)
+    check_flag("broadcast_from_rank0", broadcast_from_rank0)
     get_state(module)  # a module fully_shard never touched is an error here, as in full_state_dict
     per_dbuffer: dict[int, tuple[DBuffer, dict[str, str]]] = {}
     for key, (dbuffer, name) in sharded_params(module).items():
@@ -172,8 +173,3 @@ def _agree_on_missing_keys(state_dict: dict[str, torch.Tensor], keys: list[str])
             f"load_full_state_dict(broadcast_from_rank0=True): rank 0's state_dict lacks {missing[0]}; "
             "pass every key of full_state_dict(module) on rank 0"
         )
-
-
-def _check_flag(name: str, value: object) -> None:
-    if not isinstance(value, bool):
-        raise TypeError(f"{name}={value!r} must be True or False")

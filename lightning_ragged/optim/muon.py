@@ -185,7 +185,7 @@ class Muon(RaggedOptimizer):
                     )
                 matrix_layout(self.param_name(param), shape, qkv_heads)  # refuses a bad qkv_heads entry now
         self.last_plan: OwnerPlan | None = None
-        self._exchanges: dict[int, tuple[tuple[Any, ...], SplitExchange]] = {}  # shard group -> (its key, exchange)
+        self._exchanges: dict[tuple[int, int], tuple[tuple[Any, ...], SplitExchange]] = {}  # shard group -> (its key, exchange)
         self.newton_schulz: Callable[..., torch.Tensor] = _zeropower_via_newtonschulz
 
     def state_layout(self, param: torch.Tensor) -> dict[str, str]:
@@ -320,7 +320,7 @@ class Muon(RaggedOptimizer):
         if cached is None or cached[0] != key:
             exchange = SplitExchange(
                 [job.pieces for job in split], [job.root for job in split], shard.rank, shard.process_group,
-                torch.bfloat16, device, marked=True,
+                torch.bfloat16, device,
             )
             cached = self._exchanges[shard_group_key(shard)] = (key, exchange)
         return cached[1]

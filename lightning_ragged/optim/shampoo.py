@@ -92,18 +92,15 @@ class Shampoo(TiledOptimizer):
         super().__init__(params, defaults)
 
     def check_hyperparameters(self, values: Mapping[str, Any]) -> None:
+        super().check_hyperparameters(values)
         if values["grafting"] not in GRAFTINGS:
             raise ValueError(f"grafting={values['grafting']!r} is not supported; use one of {GRAFTINGS}")
         if values["inverse_root_dtype"] not in (torch.float32, torch.float64):
             raise ValueError(
                 f"inverse_root_dtype={values['inverse_root_dtype']} is not supported; use torch.float32 or torch.float64"
             )
-        for name in ("max_preconditioner_dim", "precondition_frequency", "start_preconditioning_step"):
-            if not isinstance(values[name], int) or values[name] < 1:
-                raise ValueError(f"{name}={values[name]!r} is not supported; pass an int >= 1")
-        lr, betas = values["lr"], values["betas"]
-        if not lr >= 0.0:
-            raise ValueError(f"lr={lr!r} is not supported; pass a learning rate >= 0")
+        self.check_positive_ints(values, ("start_preconditioning_step",))
+        betas = values["betas"]
         if len(betas) != 2 or not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] <= 1.0):
             raise ValueError(
                 f"betas={tuple(betas)!r} is not supported; pass (momentum in [0, 1), statistics decay in [0, 1]; "

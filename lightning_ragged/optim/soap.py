@@ -80,9 +80,8 @@ class SOAP(TiledOptimizer):
         super().__init__(params, defaults)
 
     def check_hyperparameters(self, values: Mapping[str, Any]) -> None:
-        lr, betas, shampoo_beta = values["lr"], values["betas"], values["shampoo_beta"]
-        if not lr >= 0.0:
-            raise ValueError(f"lr={lr!r} is not supported; pass a learning rate >= 0")
+        super().check_hyperparameters(values)
+        betas, shampoo_beta = values["betas"], values["shampoo_beta"]
         if len(betas) != 2 or not all(0.0 <= beta < 1.0 for beta in betas):
             raise ValueError(f"betas={betas!r} is not supported; pass two values in [0, 1), e.g. (0.95, 0.95)")
         if not shampoo_beta < 1.0:
@@ -91,9 +90,6 @@ class SOAP(TiledOptimizer):
             )
         if not values["eps"] >= 0.0 or not values["weight_decay"] >= 0.0:
             raise ValueError(f"eps={values['eps']!r}, weight_decay={values['weight_decay']!r}: both must be >= 0")
-        for name in ("precondition_frequency", "max_preconditioner_dim"):
-            if not isinstance(values[name], int) or values[name] < 1:
-                raise ValueError(f"{name}={values[name]!r} is not supported; pass an int >= 1")
 
     def is_tiled(self, param: torch.Tensor) -> bool:
         return len(self.shard(param).global_shape) >= 2

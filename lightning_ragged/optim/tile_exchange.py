@@ -13,7 +13,7 @@ it), in the same order on every rank. ``SplitExchange`` moves them:
 4. ``scattered()`` waits and returns this rank's piece of every result computed elsewhere.
 
 The split sizes follow from the pieces and roots alone, so every rank issues both collectives
-whatever it holds. With ``marked=True`` every piece travels with one *mark* (a 0/1 flag: Muon,
+whatever it holds. Every piece travels with one *mark* (a 0/1 flag: Muon,
 Shampoo and SOAP send "this rank has a gradient" to the root and "the item stepped" back), and every
 rank sends every other rank one *status* value in the scatter (0: fine; Shampoo and SOAP report
 a failed eigendecomposition), so news reaches every rank, not only the items' holders.
@@ -98,21 +98,19 @@ class SplitExchange:
         process_group: Any,
         dtype: torch.dtype,
         device: torch.device,
-        marked: bool = False,
     ) -> None:
         self.pieces, self.roots, self.rank = pieces, roots, rank
-        self.process_group, self.dtype, self.device, self.marked = process_group, dtype, device, marked
+        self.process_group, self.dtype, self.device = process_group, dtype, device
         self.world = world = len(pieces[0]) if pieces else 1
         self.mine = [i for i, root in enumerate(roots) if root == rank]
-        mark = 1 if marked else 0
         # my pieces of every item rooted elsewhere, by root; every rank's piece of the items rooted here, by rank
         theirs: list[list[tuple[int, int]]] = [[] for _ in range(world)]
         for i, (item_pieces, root) in enumerate(zip(pieces, roots)):
             if root != rank and _numel(item_pieces[rank]):
                 theirs[root].append((i, _numel(item_pieces[rank])))
         ours = [[(i, _numel(pieces[i][peer])) for i in self.mine if _numel(pieces[i][peer])] for peer in range(world)]
-        self._gather = _route(world, rank, theirs, ours, mark, 0)
-        self._scatter = _route(world, rank, ours, theirs, mark, mark)
+        self._gather = _route(world, rank, theirs, ours, mark=1, status=0)
+        self._scatter = _route(world, rank, ours, theirs, mark=1, status=1)
         # where the marks (after each piece) and the statuses sit: (send buffer, receive buffer)
         self._gather_marks = (_index(_after(self._gather.send), device), _index(_after(self._gather.recv), device))
         self._scatter_marks = (
@@ -145,13 +143,12 @@ class SplitExchange:
                 piece.copy_(values)
         return send
 
-    def gather(self, local: Sequence[Optional[torch.Tensor]], marks: Sequence[bool] = ()) -> None:
+    def gather(self, local: Sequence[Optional[torch.Tensor]], marks: Sequence[bool]) -> None:
         """Start sending ``local[i]`` (this rank's 1-D piece of item ``i``; None: zeros) and ``marks[i]`` to its root."""
         self._local = local
         send = self._pack(self._gather, lambda item, _: local[item])
-        if self.marked:
-            values = [float(marks[item]) for item, *_ in self._gather.send]
-            send[self._gather_marks[0]] = torch.tensor(values, dtype=self.dtype, device=self.device)
+        values = [float(marks[item]) for item, *_ in self._gather.send]
+        send[self._gather_marks[0]] = torch.tensor(values, dtype=self.dtype, device=self.device)
         self._received = self._all_to_all(send, self._gather)
 
     def gathered(self) -> dict[int, torch.Tensor]:
@@ -167,9 +164,8 @@ class SplitExchange:
                 own.zero_()
             else:
                 own.copy_(self._local[i])
-        if self.marked:
-            marks = self._received[self._gather_marks[1]].tolist()  # one device-to-host copy
-            self.marks_in = {(item, src): mark != 0 for (item, src, _, _), mark in zip(self._gather.recv, marks)}
+        marks = self._received[self._gather_marks[1]].tolist()  # one device-to-host copy
+        self.marks_in = {(item, src): mark != 0 for (item, src, _, _), mark in zip(self._gather.recv, marks)}
         return fulls
 
     def complete(self, item: int, has_local: bool) -> bool:
@@ -188,29 +184,27 @@ class SplitExchange:
     ) -> None:
         """Start sending each rank its piece of ``results[i]`` (1-D; None: zeros) for every item ``i`` rooted here.
 
-        With ``marked``: also ``marks[i]`` with each piece, and ``status`` to every other rank.
+        Also ``marks[i]`` with each piece, and ``status`` to every other rank.
         """
         def source(item: int, dest: int) -> Optional[torch.Tensor]:
             result = results[item]
             return None if result is None else result[slice(*self.pieces[item][dest])]
 
         send = self._pack(self._scatter, source)
-        if self.marked:
-            values = [float((marks or {}).get(item, False)) for item, *_ in self._scatter.send]
-            values += [status] * len(self._scatter.send_status)
-            send[self._scatter_marks[0]] = torch.tensor(values, dtype=self.dtype, device=self.device)
+        values = [float((marks or {}).get(item, False)) for item, *_ in self._scatter.send]
+        values += [status] * len(self._scatter.send_status)
+        send[self._scatter_marks[0]] = torch.tensor(values, dtype=self.dtype, device=self.device)
         self._returned = self._all_to_all(send, self._scatter)
 
     def scattered(self) -> dict[int, torch.Tensor]:
         """Wait for ``scatter``; this rank's piece of every result rooted elsewhere (views into one buffer).
 
-        With ``marked``: the roots' marks in ``marks_out``, every peer's status in ``statuses``.
+        The roots' marks in ``marks_out``, every peer's status in ``statuses``.
         """
         self._work.wait()
         slots = self._scatter.recv
         pieces = {item: self._returned[offset : offset + numel] for item, _, offset, numel in slots}
-        if self.marked:
-            values = self._returned[self._scatter_marks[1]].tolist()  # one device-to-host copy
-            self.marks_out = {item: mark != 0 for (item, *_), mark in zip(slots, values)}
-            self.statuses = {peer: status for (peer, _), status in zip(self._scatter.recv_status, values[len(slots):])}
+        values = self._returned[self._scatter_marks[1]].tolist()  # one device-to-host copy
+        self.marks_out = {item: mark != 0 for (item, *_), mark in zip(slots, values)}
+        self.statuses = {peer: status for (peer, _), status in zip(self._scatter.recv_status, values[len(slots):])}
         return pieces

@@ -86,7 +86,19 @@ class TiledOptimizer(RaggedOptimizer):
 
     # ------------------------------------------------------------- subclass API
     def check_hyperparameters(self, values: Mapping[str, Any]) -> None:
-        """Refuse a param group's values (defaults merged in) with a ValueError naming the value and the fix."""
+        """Refuse a param group's values (defaults merged in) with a ValueError naming the value and the fix.
+
+        Here what every tiled optimizer has (subclasses check the rest after calling this).
+        """
+        self.check_positive_ints(values, ("max_preconditioner_dim", "precondition_frequency"))
+        if not values["lr"] >= 0.0:
+            raise ValueError(f"lr={values['lr']!r} is not supported; pass a learning rate >= 0")
+
+    @staticmethod
+    def check_positive_ints(values: Mapping[str, Any], names: tuple[str, ...]) -> None:
+        for name in names:
+            if not isinstance(values[name], int) or values[name] < 1:
+                raise ValueError(f"{name}={values[name]!r} is not supported; pass an int >= 1")
 
     def is_tiled(self, param: torch.Tensor) -> bool:
         """Whether ``param`` is preconditioned per tile (else ``_step_untiled`` steps it)."""
@@ -150,7 +162,7 @@ class TiledOptimizer(RaggedOptimizer):
                 param, tile = tiled.split[0]
                 tiled.exchange = SplitExchange(
                     [t.pieces for _, t in tiled.split], [t.root for _, t in tiled.split], tile.rank,
-                    self.shard(param).process_group, torch.float32, local_flat(param).device, marked=True,
+                    self.shard(param).process_group, torch.float32, local_flat(param).device,
                 )
 
     def tiles(self, param: torch.Tensor) -> list[Tile]:

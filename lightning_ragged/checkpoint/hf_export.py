@@ -29,22 +29,15 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from lightning_ragged.checkpoint.errors import CheckpointError, CheckpointMismatchError
 from lightning_ragged.checkpoint.reader import CheckpointInfo, inspect_checkpoint
+from lightning_ragged.layout.memory import parse_bytes
 
 MAX_SHARD_SIZE = "5GB"
 """``save_pretrained``'s default file size bound."""
 
 
 def parse_max_shard_size(value: int | str) -> int:
-    """Bytes of ``max_shard_size`` ("5GB", "500MB", an int); a ``ValueError`` naming the parameter otherwise."""
-    from huggingface_hub.serialization._base import parse_size_to_int
-
-    try:
-        size = value if isinstance(value, int) else parse_size_to_int(value)
-    except ValueError as error:
-        raise ValueError(f"max_shard_size={value!r} is not a size: give bytes or e.g. '5GB', '500MB' ({error})") from None
-    if size <= 0:
-        raise ValueError(f"max_shard_size={value!r} must be positive, e.g. '5GB'")
-    return size
+    """Bytes of ``max_shard_size`` ("5GB", "500MB", "2GiB", an int); a ``ValueError`` naming the parameter otherwise."""
+    return parse_bytes(value, "max_shard_size")
 
 
 def export_hf(

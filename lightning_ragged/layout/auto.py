@@ -259,11 +259,15 @@ class _Search:
             counts = [kind.count]
             if self.mergeable[index]:
                 for groups in range(kind.count - 1, 0, -1):
-                    if 3 * -(-kind.count // groups) * self.numel[index] * self.param > self.budget:
+                    if self.over_budget(index, -(-kind.count // groups)):
                         break
                     counts.append(groups)
             per_kind.append(counts)
         return list(itertools.product(*per_kind))
+
+    def over_budget(self, index: int, blocks: int) -> bool:
+        """One group of ``blocks`` blocks of kind ``index`` alone exceeds the budget (full params, grads, prefetch)."""
+        return 3 * blocks * self.numel[index] * self.param > self.budget
 
     def segments(self, index: int, blocks: int, shard_world: int, exact: bool) -> tuple[int, ...]:
         key = (index, blocks, shard_world, exact)
@@ -294,7 +298,7 @@ class _Search:
             ring = (gathers + 1) * (shard_world - 1) + 2 * (replicate - 1) / replicate
             sent += count * sum(segs) * self.param * ring
         choice = _Choice(replicate, groups_per_kind, entries, padded, memory, collectives, sent)
-        padding = (padded - self.total) / self.total if self.total else 0.0
+        padding = self.ratio(padded)
         over = padding > self.target
         choice.key = (over, padding if over else 0.0, memory["total"], sent, collectives)
         return choice
@@ -347,7 +351,7 @@ class _Search:
         if blocks == 1:
             if single <= self.target:
                 return f"one block per group pads {single:.2%}, within the {self.target:.0%} target"
-            larger = 3 * 2 * numel * self.param > self.budget
+            larger = self.over_budget(index, 2)
             return (f"one block per group pads {single:.2%} ({reason})"
                     + ("; two blocks would exceed the budget" if larger else "; no larger group does better here"))
         said = f"one block pads {single:.2%} over {world:,} ranks ({reason}); {blocks} blocks pad {padding:.2%}"

@@ -155,11 +155,15 @@ def _torch_analyzer_missing(dumps: dict) -> list[tuple[int, str, set[int]]]:
 
 
 def test_flight_recorder_dump_names_the_stuck_collective_and_missing_rank():
+    from lightning_ragged import TensorSpec, plan
     from lightning_ragged.observability import flight_recorder
 
     dumps = flight_recorder.read_dumps(FR_DUMPS)
     assert sorted(dumps) == [0, 1, 2]
-    error = flight_recorder.stall_from_dumps(dumps, groups={("all_gather", 4, 12): "blocks.0"}, step=3)
+    # the fixture's stuck collective is the all-gather of a 12-element DBuffer over 3 ranks: name it from that
+    # layout's signatures, so the sizes the engine derives must match the ones torch's recorder wrote
+    groups = flight_recorder.collective_signatures([("blocks.0", plan([TensorSpec("w", 12, 1)], 3))])
+    error = flight_recorder.stall_from_dumps(dumps, groups=groups, step=3)
     assert isinstance(error, collective_errors.CollectiveTimeoutError)
     # oracle 1: torch's analyzer; oracle 2: torch's own per-group counters written in the dumps
     [(sequence, name, missing)] = _torch_analyzer_missing(dumps)

@@ -262,6 +262,14 @@ def test_first_eigenbases_fall_back_to_fp64_or_raise_on_every_rank(dist_pool):
         assert outcomes[0][0] == "raised" and outcomes[1:] == [("ok", 2)] * 3, outcomes
         assert outcomes[0][1].startswith("SOAP.step: ") and "such a tile did not start" in outcomes[0][1]
         assert ("this rank (1) could not" if rank else "rank 1 could not") in outcomes[0][1], outcomes[0][1]
+    # the tiles rank 1 owns started a step late, as the reference does with them untouched at step 1
+    failed = set(always[0]["failed"])
+    assert failed
+    late = reference_soap(dict(make_mlp().named_parameters()), gradients(make_mlp(), 4),
+                          untouched=lambda t, name, i, j: t == 1 and (name, f"{i},{j}") in failed)
+    for rank in range(2):
+        assert max((always[rank]["params"][n] - late[n]).abs().max().item() for n in late) <= 1e-5
+        assert max((always[rank]["params"][n] - expected[n]).abs().max().item() for n in expected) > 1e-4
 
 
 def test_finetuning_adds_layers_with_tiles_and_owners_of_their_own(dist_pool):

@@ -279,4 +279,6 @@ def eigh_failure(make_model: Callable[[], nn.Module], make_optimizer: Callable, 
             outcomes.append(("ok", comm.get_total_counts()))
         except EigendecompositionError as error:
             outcomes.append(("raised", str(error)))
-    return dict(outcomes=outcomes, params=full_state_dict(model))
+    failed = sorted({(name, tile.tile_id) for name, p in model.named_parameters() for tile in optimizer.tiles(p)
+                     if tile.root == 1})  # the tiles whose eigendecompositions ran on rank 1
+    return dict(outcomes=outcomes, params=full_state_dict(model), failed=failed)

@@ -301,10 +301,13 @@ def check_unused_vs_ddp(kind: str) -> dict:
     ddp_opt = torch.optim.AdamW(ddp.parameters(), lr=LR, weight_decay=0.1)
     model = lr.fully_shard(make(), shard_granularity="row")
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
-    grad_diffs, mismatched, ddp_watched_none, sharded_watched_grads = [], [], [], []
+    grad_diffs, mismatched, ddp_watched_none, sharded_watched_grads, flag_reads = [], [], [], [], []
+    stats = lr.get_state(model).stats
     for step in range(STEPS):
         local = _batch_for(kind, data, step)
+        reads = stats.flag_reads
         lm_loss(model, local).backward()
+        flag_reads.append(stats.flag_reads - reads)
         lm_loss(ddp, local).backward()
         diff, names = _grads_vs_ddp(model, ddp.module)
         grad_diffs.append(diff)
@@ -330,6 +333,7 @@ def check_unused_vs_ddp(kind: str) -> dict:
         "ddp_watched_none": ddp_watched_none,
         "sharded_watched_grads": sharded_watched_grads,
         "sharded_watched_changed": changed(full),
+        "flag_reads": flag_reads,
         "ddp_watched_changed": changed(ddp_state),
     }
 
@@ -339,6 +343,7 @@ def test_unused_parameter_gets_no_grad_and_does_not_move(dist_pool, world_size):
     results = dist_pool(world_size).run(check_unused_vs_ddp, "unused")
     for rank, result in enumerate(results):
         assert result["ddp_watched_none"] == [True] * STEPS and result["ddp_watched_changed"] == [], result  # oracle
+        assert result["flag_reads"] == [1] * STEPS, (rank, result)  # every rank misses "spare": each reads the sums
         assert all(names == [] for names in result["sharded_watched_grads"]), (rank, result)
         assert result["sharded_watched_changed"] == [], (rank, result)  # weight decay never touched it
         assert result["mismatched"] == [], (rank, result)
@@ -351,6 +356,9 @@ def test_parameter_used_on_some_ranks_only_gets_the_global_grad(dist_pool, world
     for rank, result in enumerate(results):
         # the oracle: DDP gives the expert a gradient on every rank unless no rank used it (step 1)
         assert result["ddp_watched_none"] == [False, True, False, False, False], result
+        # only a rank whose own batch skipped the expert reads the summed flags back (a device sync on NCCL)
+        missed = [int(rank not in _routed_ranks(step, world_size)) for step in range(STEPS)]
+        assert result["flag_reads"] == missed, (rank, result)
         assert result["mismatched"] == [], (rank, result)
         assert max(result["grad_diffs"]) <= TOLERANCE, (rank, result)
         assert result["max_diff"] <= TOLERANCE, (rank, result)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -44,6 +44,8 @@ class CommStats:
     reduce_seconds: float = 0.0
     flag_syncs: int = 0
     """Small all-reduces of "which parameters got a gradient" (one per synchronized backward; 0 on a single rank)."""
+    flag_reads: int = 0
+    """Of those, the ones read back to the host (a device sync on NCCL): only when this rank missed a gradient."""
     replica_all_reduces: int = 0
     """HSDP: all-reduces of a reduced segment over the replicate process group (one per reduction)."""
     replica_all_reduce_bytes: int = 0
@@ -131,6 +133,18 @@ def reduce(
             stats.replica_all_reduces += 1
             stats.replica_all_reduce_bytes += own_segment.numel() * own_segment.element_size()
     return pending
+
+
+def host_tensor(values: Sequence[float], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Small host data (flags, marks) as a tensor on ``device`` for a collective, without a host sync.
+
+    ``torch.tensor(values, device=cuda)`` copies from pageable memory and waits for the stream
+    (all queued compute); staged through pinned memory, the copy is queued like a kernel.
+    """
+    tensor = torch.tensor(values, dtype=dtype)
+    if device.type == "cpu":
+        return tensor
+    return tensor.pin_memory().to(device, non_blocking=True)
 
 
 def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None, async_op: bool = False) -> PendingCollective:

@@ -317,6 +317,8 @@ class RaggedFSDPState:
     def _settle_unused(self) -> None:
         """One small all-reduce: a parameter that received no gradient on any rank keeps ``grad is None``.
 
+        Only a rank that missed a gradient itself reads the sums back; the others know the answer.
+
         A single rank (a shard group of one, no HSDP) has no other rank to ask: its own flags are the answer.
         """
         flags = [flag for dbuffer in self._reduced for flag in dbuffer.used_flags()]
@@ -325,14 +327,18 @@ class RaggedFSDPState:
             self._finish_in_flight()
             used = flags
         else:
-            counts = torch.tensor(flags, dtype=torch.int32, device=first.device)  # NCCL serves device tensors only
+            counts = collectives.host_tensor(flags, torch.int32, first.device)  # NCCL serves device tensors only
             pending = collectives.all_reduce(counts, first.process_group, async_op=True)
             self._finish_in_flight()
             pending.wait()
             if first.replicate_group is not None:
                 collectives.all_reduce(counts, first.replicate_group)
             self.stats.flag_syncs += 1
-            used = counts.tolist()
+            if all(flags):  # every count includes this rank's own 1: nothing to read back (a device sync on NCCL)
+                used = flags
+            else:
+                used = counts.tolist()
+                self.stats.flag_reads += 1
         for dbuffer in self._reduced:
             count = dbuffer.trainable_count
             dbuffer.settle_unused([u > 0 for u in used[:count]])

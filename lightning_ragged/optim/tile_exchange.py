@@ -32,6 +32,8 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from lightning_ragged.engine.collectives import host_tensor
+
 Ranges = Sequence[tuple[int, int]]
 _Slot = tuple[int, int, int, int]  # (item, peer, offset in the buffer, numel)
 
@@ -148,7 +150,7 @@ class SplitExchange:
         self._local = local
         send = self._pack(self._gather, lambda item, _: local[item])
         values = [float(marks[item]) for item, *_ in self._gather.send]
-        send[self._gather_marks[0]] = torch.tensor(values, dtype=self.dtype, device=self.device)
+        send[self._gather_marks[0]] = host_tensor(values, self.dtype, self.device)
         self._received = self._all_to_all(send, self._gather)
 
     def gathered(self) -> dict[int, torch.Tensor]:
@@ -193,7 +195,7 @@ class SplitExchange:
         send = self._pack(self._scatter, source)
         values = [float((marks or {}).get(item, False)) for item, *_ in self._scatter.send]
         values += [status] * len(self._scatter.send_status)
-        send[self._scatter_marks[0]] = torch.tensor(values, dtype=self.dtype, device=self.device)
+        send[self._scatter_marks[0]] = host_tensor(values, self.dtype, self.device)
         self._returned = self._all_to_all(send, self._scatter)
 
     def scattered(self) -> dict[int, torch.Tensor]:

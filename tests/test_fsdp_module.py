@@ -14,6 +14,7 @@ from torch import nn
 import lightning_ragged as lr
 from lightning_ragged.engine.grouping import stack_blocks
 from tests.models import TinyBlock, lm_loss, make_batches, make_model
+from tests.test_fp8_gather import _IssuedCollectives
 from tests.test_fully_shard import BATCH, _local, check_training_matches_single_process
 
 
@@ -40,6 +41,24 @@ def test_reshard_after_forward_int_keeps_a_part_and_trains_exactly(dist_pool):
         assert not any(rank_result["left"])
     results = pool.run(check_training_matches_single_process, dict(reshard_after_forward=2), False, 8)
     assert max(r["max_diff"] for r in results) <= 1e-5, results[0]
+
+
+def check_partial_gathers_named() -> dict:
+    """Every all-gather a step issues with ``reshard_after_forward=2``, looked up in the flight recorder's names."""
+    from lightning_ragged.observability import flight_recorder
+
+    model = lr.fully_shard(make_model(), reshard_after_forward=2)
+    signatures = flight_recorder.collective_signatures((repr(i), b) for i, b in enumerate(lr.get_state(model).dbuffers()))
+    with _IssuedCollectives() as issued:
+        lm_loss(model, _local(make_batches(1, BATCH)[0])).backward()
+    smaller = {("all_gather", b.layout.buffer_numel // 2, b.layout.buffer_numel) for b in lr.get_state(model).dbuffers()}
+    return {"unnamed": [key for key in issued.seen if key not in signatures], "smaller": set(issued.seen) & smaller}
+
+
+def test_flight_recorder_names_the_smaller_group_re_gathers(dist_pool):
+    for result in dist_pool(4).run(check_partial_gathers_named):
+        assert result["smaller"]  # the backward did gather in the 2-rank groups (not the 4-rank shard group)
+        assert result["unnamed"] == [], result
 
 
 def check_reshard_after_forward_values() -> dict:

@@ -116,8 +116,8 @@ class DBuffer:
         self._padding = storage.padding(layout, self.world_size * segment)
         self._awaiting: set[str] = set()
         self._used: set[str] = set()
-        self._partial: torch.Tensor | None = None  # the part kept by ``_partial_reshard``, until gathered
-        self._partial_reshard: PartialReshard | None = None
+        self._partial: torch.Tensor | None = None  # the part kept by ``partial_reshard``, until gathered
+        self.partial_reshard: PartialReshard | None = None  # reshard_after_forward=int: its smaller gather group
         self._gathered = False  # full_is_shard only: the module computes with the full views now
 
         pieces = {name: (start, end, offset) for name, start, end, offset in layout.local_pieces(self.rank)}
@@ -222,7 +222,7 @@ class DBuffer:
                 self._pending_unshard = PendingCollective(None, started, self.sharded)
                 return
             if self._partial is not None:  # kept by reshard_after_forward=int: gather inside the smaller group
-                source, group, self._partial = self._partial, self._partial_reshard.group, None
+                source, group, self._partial = self._partial, self.partial_reshard.group, None
             else:  # a fresh cast is transient: the next one reuses its block on this stream
                 source, group = kept if kept is not None else self.shard_cast.of(self.sharded), self.process_group
             pending = collectives.all_gather(self._gather_target, source, group, async_op, started)
@@ -261,15 +261,15 @@ class DBuffer:
 
     def set_partial_group(self, group: dist.ProcessGroup, size: int) -> None:
         """``reshard_after_forward=size``: after forward keep 1/size of the buffer, re-gathered inside ``group``."""
-        self._partial_reshard = PartialReshard(self.world_size, group, size)
+        self.partial_reshard = PartialReshard(self.world_size, group, size)
 
     def reshard_to_partial(self) -> None:
         """Keep this rank's 1/size of the full buffer (``partial_reshard.py``), free the rest."""
         self.wait_unshard()
-        if self._partial_reshard is None or not self.is_unsharded:
+        if self.partial_reshard is None or not self.is_unsharded:
             self.reshard()
             return
-        self._partial = self._partial_reshard.keep(self.unsharded)
+        self._partial = self.partial_reshard.keep(self.unsharded)
         self._free_unsharded()
 
     # --------------------------------------------------------------- gradients

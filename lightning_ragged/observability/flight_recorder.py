@@ -213,7 +213,8 @@ def collective_signatures(labels_and_layouts: Iterable[tuple[str, Any]]) -> dict
 
     Each item is (label, ``Layout``) or (label, ``DBuffer``). The engine's collectives: the
     all-gather (segment -> full; for a DBuffer with an fp8 gather, ``rank_bytes`` -> ``wire_bytes``
-    uint8 elements, which is what it issues), the gradient reduction (reduce-scatter full ->
+    uint8 elements, which is what it issues; with ``reshard_after_forward=int`` also the backward's
+    gather of the kept parts, full / int -> full, in the smaller group), the gradient reduction (reduce-scatter full ->
     segment, or all-reduce of the full buffer where ``reduce_mode`` is ``"all_reduce"``) and
     HSDP's all-reduce of the reduced segment over the replicas. Groups with the same sizes share
     a key: their names are joined with " or ".
@@ -223,8 +224,11 @@ def collective_signatures(labels_and_layouts: Iterable[tuple[str, Any]]) -> dict
         layout, fp8 = getattr(item, "layout", item), getattr(item, "fp8_gather", None)
         full, segment = layout.buffer_numel, layout.segment_size
         gather = (segment, full) if fp8 is None else (fp8.rank_bytes, fp8.wire_bytes)
-        keys = (("all_gather", *gather), ("reduce_scatter", full, segment), ("all_reduce", full, full),
-                ("all_reduce", segment, segment))
+        keys = [("all_gather", *gather), ("reduce_scatter", full, segment), ("all_reduce", full, full),
+                ("all_reduce", segment, segment)]
+        partial = getattr(item, "partial_reshard", None)
+        if partial is not None:  # reshard_after_forward=int: the backward re-gathers the kept parts in a smaller group
+            keys.append(("all_gather", full // partial.size, full))
         for key in keys:
             signatures[key] = f"{signatures[key]} or {label}" if key in signatures else label
     return signatures

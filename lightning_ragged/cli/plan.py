@@ -34,7 +34,7 @@ from typing import Any, Optional, Sequence
 from lightning_ragged.cli.model_groups import PRESETS, ModelDescription, describe_model, load_config
 from lightning_ragged.layout.granularity import POLICIES
 from lightning_ragged.layout.auto import DEFAULT_PADDING_TARGET, DTYPE_OF_BYTES, AutoPlan, auto_plan, shape_granularity
-from lightning_ragged.layout.memory import DTYPE_BYTES, OPTIMIZER_STATE_BYTES, memory_estimate, parse_bytes
+from lightning_ragged.layout.memory import DTYPE_BYTES, OPTIMIZER_STATE_BYTES, format_bytes, memory_estimate, parse_bytes
 
 
 
@@ -106,14 +106,6 @@ def plan_model(
 
 
 # ------------------------------------------------------------------------- output
-def _bytes(value: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if value < 1024 or unit == "TiB":
-            return f"{value:,.2f} {unit}" if unit != "B" else f"{int(value)} B"
-        value /= 1024
-    return str(value)
-
-
 def render_table(report: dict[str, Any]) -> str:
     lines = [
         f"{report['model']}: {report['total_params']:,} parameters; world size {report['world_size']:,}, "
@@ -149,13 +141,13 @@ def memory_lines(report: dict[str, Any]) -> list[str]:
     return [
         f"Per-rank memory estimate (master {report['master_dtype']}, compute {report['param_dtype']}, "
         f"optimizer {report['optimizer']}; activations not included):",
-        f"  parameters (sharded)        {_bytes(memory['params'])}",
-        f"  gradients (sharded)         {_bytes(memory['grads'])}",
-        f"  optimizer states            {_bytes(memory['optimizer_states'])}",
-        f"  largest unsharded group     {_bytes(memory['largest_unsharded_group'])}",
-        f"  transient peak              {_bytes(memory['transient_peak'])}"
+        f"  parameters (sharded)        {format_bytes(memory['params'], 2)}",
+        f"  gradients (sharded)         {format_bytes(memory['grads'], 2)}",
+        f"  optimizer states            {format_bytes(memory['optimizer_states'], 2)}",
+        f"  largest unsharded group     {format_bytes(memory['largest_unsharded_group'], 2)}",
+        f"  transient peak              {format_bytes(memory['transient_peak'], 2)}"
         "  (2 full groups: computing + prefetched, and 1 full gradient buffer)",
-        f"  total                       {_bytes(memory['total'])}",
+        f"  total                       {format_bytes(memory['total'], 2)}",
     ]
 
 
@@ -163,7 +155,7 @@ def render_auto(report: dict[str, Any]) -> str:
     """The ``--auto`` report: the choice per group and why, the totals, the memory estimate."""
     lines = [
         f"{report['model']}: {report['total_params']:,} parameters; world size {report['world_size']:,}; "
-        f"auto plan within {report['memory_budget_bytes']:,} bytes ({_bytes(report['memory_budget_bytes'])}) per rank, "
+        f"auto plan within {report['memory_budget_bytes']:,} bytes ({format_bytes(report['memory_budget_bytes'], 2)}) per rank, "
         f"padding target "
         f"{report['padding_target']:.0%}; granularity {report['granularity']!r}"
         + (f" ({report['block_rows']} rows)" if report["granularity"] == "block" else "")
@@ -176,8 +168,8 @@ def render_auto(report: dict[str, Any]) -> str:
     for g in report["groups"]:
         lines.append(
             f"| {g['group']} | {g['blocks']} | {g['count']} | {', '.join(f'{s:,}' for s in g['segment_sizes'])} "
-            f"| {g['padding_ratio']:.2%} | {g['lower_bound_padding_ratio']:.2%} | {_bytes(g['unsharded_bytes'])} "
-            f"| {_bytes(g['sharded_bytes_per_rank'])} | {g['why']} |"
+            f"| {g['padding_ratio']:.2%} | {g['lower_bound_padding_ratio']:.2%} | {format_bytes(g['unsharded_bytes'], 2)} "
+            f"| {format_bytes(g['sharded_bytes_per_rank'], 2)} | {g['why']} |"
         )
     lines += [
         "",
@@ -186,7 +178,7 @@ def render_auto(report: dict[str, Any]) -> str:
         f"{report['padding_ratio']:.2%} (lower bound of this choice {report['lower_bound_padding_ratio']:.2%}; "
         f"lowest bound of any choice within the budget {report['best_bound_padding_ratio']:.2%}).",
         f"Why: {report['why']}.",
-        f"Per step and rank: {report['collectives_per_step']:,} collectives, {_bytes(report['bytes_sent_per_step'])} "
+        f"Per step and rank: {report['collectives_per_step']:,} collectives, {format_bytes(report['bytes_sent_per_step'], 2)} "
         "sent (ring algorithms; blocks gathered twice, the root once).",
         f"Searched {report['choices']:,} choices with {report['plans']:,} exact plans in {report['seconds']:.3f} s.",
         "",

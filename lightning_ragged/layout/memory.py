@@ -69,3 +69,12 @@ def parse_bytes(value: Union[str, int, float], name: str = "memory_budget_bytes"
     if size <= 0:
         raise ValueError(f"{name}={value!r} must be a positive number of bytes, e.g. '80GB'")
     return size
+
+
+def format_bytes(nbytes: float, digits: int = 1) -> str:
+    """``nbytes`` in binary units for messages and reports (``1,234 B``, ``12.5 MiB``)."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(nbytes) < 1024:
+            return f"{int(nbytes):,} B" if unit == "B" else f"{nbytes:,.{digits}f} {unit}"
+        nbytes /= 1024
+    return f"{nbytes:,.{digits}f} TiB"

@@ -307,22 +307,13 @@ def _reduce_mode(value: Any) -> None:
         _choice("reduce_mode", value, REDUCE_MODES, REDUCE_MODES[0])
 
 
-def _alignment(value: Any) -> None:
-    if value is not None and (not _is_int(value) or value < 1):
-        _refuse("must be a positive int (elements) or None (16 bytes)", "pass e.g. alignment=16 or None",
-                ValueError if _is_int(value) else TypeError)
+def _int_at_least(minimum: int, problem: str, fix: str, optional: bool = False) -> Callable[[Any], None]:
+    """A check that the value is an int >= ``minimum`` (or None where ``optional``): ValueError, else TypeError."""
+    def check(value: Any) -> None:
+        if not ((value is None and optional) or (_is_int(value) and value >= minimum)):
+            _refuse(problem, fix, ValueError if _is_int(value) else TypeError)
 
-
-def _max_inflight_all_gathers(value: Any) -> None:
-    if not _is_int(value) or value < 0:
-        _refuse("must be an int >= 0 (0: no prefetch; 1: one all-gather ahead, as FSDP2)",
-                "pass e.g. max_inflight_all_gathers=1", ValueError if _is_int(value) else TypeError)
-
-
-def _blocks_per_group(value: Any) -> None:
-    if not _is_int(value) or value < 1:
-        _refuse("must be an int >= 1 (consecutive blocks joined into one group)", "pass e.g. blocks_per_group=2",
-                ValueError if _is_int(value) else TypeError)
+    return check
 
 
 def _fp8_all_gather(value: Any) -> None:
@@ -340,20 +331,20 @@ def _planning(value: Any) -> None:
         _choice("planning", value, ("auto",), "auto")
 
 
-def _memory_budget_bytes(value: Any) -> None:
-    if value is not None and (not _is_int(value) or value <= 0):
-        _refuse("must be a positive int of bytes per rank (used with planning='auto')",
-                "pass e.g. memory_budget_bytes=80 * 10**9", ValueError if _is_int(value) else TypeError)
-
-
 ENGINE_KWARG_CHECKS: dict[str, Callable[[Any], None]] = {
-    "blocks_per_group": _blocks_per_group,
+    "blocks_per_group": _int_at_least(
+        1, "must be an int >= 1 (consecutive blocks joined into one group)", "pass e.g. blocks_per_group=2"),
     "planning": _planning,
-    "memory_budget_bytes": _memory_budget_bytes,
+    "memory_budget_bytes": _int_at_least(
+        1, "must be a positive int of bytes per rank (used with planning='auto')",
+        "pass e.g. memory_budget_bytes=80 * 10**9", optional=True),
     "reduce_mode": _reduce_mode,
-    "alignment": _alignment,
+    "alignment": _int_at_least(
+        1, "must be a positive int (elements) or None (16 bytes)", "pass e.g. alignment=16 or None", optional=True),
     "keep_last_unsharded": _flag("keep_last_unsharded"),
-    "max_inflight_all_gathers": _max_inflight_all_gathers,
+    "max_inflight_all_gathers": _int_at_least(
+        0, "must be an int >= 0 (0: no prefetch; 1: one all-gather ahead, as FSDP2)",
+        "pass e.g. max_inflight_all_gathers=1"),
     "keep_cast_shard": _flag("keep_cast_shard"),
     "fp8_all_gather": _fp8_all_gather,
 }

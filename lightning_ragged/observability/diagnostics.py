@@ -52,6 +52,7 @@ from lightning_ragged.engine.collective_errors import (
     store_host,
 )
 from lightning_ragged.engine.dbuffer import DBuffer
+from lightning_ragged.layout.memory import format_bytes
 
 _PEER_ADDRESS = re.compile(r"\[([0-9a-fA-F:.]+)\]:(\d+)")
 _OOM_PATTERNS = re.compile(r"out of memory|can't allocate memory|cannot allocate memory", re.IGNORECASE)
@@ -110,23 +111,15 @@ def translate(error: BaseException, failure: Failure, collective: str) -> BaseEx
     return error
 
 
-def _human(nbytes: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(nbytes) < 1024 or unit == "TiB":
-            return f"{nbytes:,.1f} {unit}" if unit != "B" else f"{int(nbytes):,} B"
-        nbytes /= 1024
-    return f"{nbytes} B"
-
-
 def _out_of_memory(error: BaseException, failure: Failure, what: str) -> BaseException:
     dbuffer = failure.dbuffer
     kind = "full parameter buffer (all-gather target)" if what == "all_gather" else "full gradient buffer"
     layout = dbuffer.layout
     message = (
         f"out of memory while unsharding FSDP group {failure.label!r}: its {kind} needs "
-        f"{_human(failure.buffer_bytes)} ({layout.world_size} ranks x segment {layout.segment_size:,} elements "
-        f"x {dbuffer.param_dtype}); {_human(failure.unsharded_bytes)} of full parameters and "
-        f"{_human(failure.grad_bytes)} of full gradients were already allocated, at step {failure.step}. "
+        f"{format_bytes(failure.buffer_bytes)} ({layout.world_size} ranks x segment {layout.segment_size:,} elements "
+        f"x {dbuffer.param_dtype}); {format_bytes(failure.unsharded_bytes)} of full parameters and "
+        f"{format_bytes(failure.grad_bytes)} of full gradients were already allocated, at step {failure.step}. "
         "To shrink it: lower `dbuffer_size` (fully_shard / RaggedFSDPStrategy; a group is split into DBuffers "
         "of at most that many bytes) or shard at a finer `group_modules`; keep `reshard_after_forward=True` "
         "(frees each group after its forward); use a bf16 `param_dtype` (mixed precision); or enable "
@@ -158,7 +151,7 @@ def _timeout(error: BaseException, failure: Failure, collective: str) -> BaseExc
         missing_text = f"ranks {missing} did not arrive" if missing else "every rank arrived (a backend or network fault)"
     within = f"within {timeout:g} s" if timeout is not None else "within the process group's timeout"
     message = (
-        f"collective {collective} of FSDP group {failure.label!r} ({_human(failure.buffer_bytes)}) did not finish "
+        f"collective {collective} of FSDP group {failure.label!r} ({format_bytes(failure.buffer_bytes)}) did not finish "
         f"{within} at step {failure.step} (collective #{sequence} on process group of ranks {short_ranks(members)}): "
         f"{missing_text}; ranks {arrived_list} were waiting in it. "
         "A rank that did not arrive is stalled elsewhere (data loading, a different code path or number of "
@@ -249,7 +242,7 @@ def _peer_lost(error: BaseException, failure: Failure, collective: str) -> BaseE
     within = f"{seconds_in_call:.2f} s into the call" if seconds_in_call is not None else "during the call"
     limit = f"the process group's timeout is {timeout:g} s" if timeout is not None else "well before any timeout"
     message = (
-        f"collective {collective} of FSDP group {failure.label!r} ({_human(failure.buffer_bytes)}) failed at step "
+        f"collective {collective} of FSDP group {failure.label!r} ({format_bytes(failure.buffer_bytes)}) failed at step "
         f"{failure.step} (collective #{sequence} on process group of ranks {short_ranks(members)}): peer lost, {whose} "
         f"({event}) at {_clock(closed_at)}, {within}; {limit}, so this is not a timeout. {census[0].upper()}"
         f"{census[1:]}. Under torchrun with --nnodes=MIN:MAX and --max-restarts the agents restart the survivors "

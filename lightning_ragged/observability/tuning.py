@@ -31,6 +31,7 @@ from typing import Any, Literal, Mapping, Optional, Sequence
 
 import torch
 
+from lightning_ragged.layout.memory import format_bytes
 from lightning_ragged.observability.metrics import PREFIX, EngineMetrics, process_memory
 
 TUNING_FILE = "ragged_fsdp_tuning.json"
@@ -90,14 +91,6 @@ class Recommendation:
     reason: str
 
 
-def _mib(n: float) -> str:
-    """Bytes for a reason text (GiB, MiB or KiB)."""
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20)):
-        if abs(n) >= scale:
-            return f"{n / scale:.1f} {unit}"
-    return f"{n / 2**10:.1f} KiB"
-
-
 def _round_up(n: float) -> int:
     return int(math.ceil(n / ROUND_BYTES)) * ROUND_BYTES
 
@@ -109,26 +102,26 @@ def recommend(m: TuningInput) -> Recommendation:
     if not groups:
         return Recommendation(size, depth, "keep", "no DBuffers to size")
     headroom, limit = m.headroom_bytes, m.memory_limit_bytes
-    memory = f"headroom {_mib(headroom)} of {_mib(limit)}"
+    memory = f"headroom {format_bytes(headroom)} of {format_bytes(limit)}"
     biggest = max(groups, key=lambda g: g.unsharded_bytes)
     if headroom < NEAR_LIMIT_FRACTION * limit:
         near = f"memory near the limit ({memory}, under {NEAR_LIMIT_FRACTION:.0%})"
         if depth > 1:
             return Recommendation(size, depth - 1, "prefetch_less",
                                   f"{near}: prefetch one group fewer (max_inflight_all_gathers={depth - 1}) "
-                                  f"frees up to {_mib(biggest.unsharded_bytes)} ({biggest.name!r})")
+                                  f"frees up to {format_bytes(biggest.unsharded_bytes)} ({biggest.name!r})")
         largest_param = max(g.largest_param_bytes for g in groups)
         largest_dbuffer = max(max(g.dbuffer_bytes) for g in groups)
         smaller = _round_up(max(largest_param, min(size, largest_dbuffer) / 2))
         if smaller >= size:
             return Recommendation(size, depth, "keep",
                                   f"{near}, but dbuffer_size cannot shrink below the largest parameter "
-                                  f"({_mib(largest_param)}): lower the batch size or checkpoint activations")
-        reason = (f"{near}: dbuffer_size {_mib(size)} -> {_mib(smaller)} shrinks groups formed by size "
-                  f"(full buffers alive at once peaked at {_mib(m.unsharded_peak_bytes + m.grad_peak_bytes)})")
+                                  f"({format_bytes(largest_param)}): lower the batch size or checkpoint activations")
+        reason = (f"{near}: dbuffer_size {format_bytes(size)} -> {format_bytes(smaller)} shrinks groups formed by size "
+                  f"(full buffers alive at once peaked at {format_bytes(m.unsharded_peak_bytes + m.grad_peak_bytes)})")
         whole = [g for g in groups if g.param_bytes > smaller]
         if whole:
-            reason += (f"; {len(whole)} group(s) such as {whole[0].name!r} ({_mib(whole[0].param_bytes)}) are only "
+            reason += (f"; {len(whole)} group(s) such as {whole[0].name!r} ({format_bytes(whole[0].param_bytes)}) are only "
                        "split into more DBuffers, gathered together: give group_modules smaller modules")
         return Recommendation(smaller, depth, "shrink", reason)
     hidden = m.comm_hidden_ratio
@@ -147,14 +140,14 @@ def recommend(m: TuningInput) -> Recommendation:
         pieces = sum(len(g.dbuffer_bytes) for g in split)
         return Recommendation(larger, depth, "grow",
                               f"{exposed}: dbuffer_size={size} splits {len(split)} group(s) into {pieces} DBuffers; "
-                              f"dbuffer_size={larger} ({_mib(larger)}) gathers each in fewer, larger all-gathers "
+                              f"dbuffer_size={larger} ({format_bytes(larger)}) gathers each in fewer, larger all-gathers "
                               "(a group is gathered whole either way: its peak stays)")
     if headroom - biggest.unsharded_bytes >= NEAR_LIMIT_FRACTION * limit:
         return Recommendation(size, depth + 1, "prefetch_more",
                               f"{exposed}: every group is one all-gather already; prefetch one group more "
-                              f"(max_inflight_all_gathers={depth + 1}) for up to {_mib(biggest.unsharded_bytes)}")
+                              f"(max_inflight_all_gathers={depth + 1}) for up to {format_bytes(biggest.unsharded_bytes)}")
     return Recommendation(size, depth, "keep",
-                          f"{exposed}, but one more prefetched group ({_mib(biggest.unsharded_bytes)}) would bring "
+                          f"{exposed}, but one more prefetched group ({format_bytes(biggest.unsharded_bytes)}) would bring "
                           f"memory near the limit")
 
 

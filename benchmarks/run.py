@@ -41,6 +41,7 @@ PARTS = [
     ("scale_sim", "benchmarks/scale_sim.py", "fully_shard itself at 1,024 and 10,000 ranks on the fake process group"),
     ("observability", "benchmarks/observability_bench.py", "metrics overhead on step time"),
     ("memory-floor", "benchmarks/memory_floor_bench.py", "peak live bytes, embedding in a group of its own"),
+    ("step-floor", "benchmarks/step_floor_bench.py", "fp32 step time over no communication, and bytes sent"),
     ("fp8", "benchmarks/fp8_bench.py", "fp8 vs bf16 all-gather: bytes per step, loss gap after 200 steps, step time"),
     ("gpu", "benchmarks/gpu.py", "the engine comparison on CUDA/NCCL (skipped without a GPU)"),
 ]

@@ -86,6 +86,7 @@ SHARDINGS = {
     "callable": dict(shard_granularity=block_of_two_rows),
     "row-greedy": dict(shard_granularity="row", planning_algorithm="greedy"),
     "row-reduce-scatter": dict(shard_granularity="row", reduce_mode="reduce_scatter"),
+    "row-all-reduce": dict(shard_granularity="row", reduce_mode="all_reduce"),  # gloo's default is "pairwise"
     "row-small-dbuffers": dict(shard_granularity="row", dbuffer_size=2100),
     "row-keep-unsharded": dict(shard_granularity="row", reshard_after_forward=False),
     "row-explicit-groups": dict(shard_granularity="row", group_modules=[TinyBlock]),

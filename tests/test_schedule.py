@@ -178,7 +178,9 @@ def check_landing_writes() -> dict:
             lm_loss(model, batch).backward()
         grad_bytes = sum(b.layout.buffer_numel * b.unsharded_grad.element_size() for b in state.dbuffers())
         padding = sum(b.layout.padding * b.unsharded_grad.element_size() for b in state.dbuffers())
-        result[mode] = {"writes": writes.bytes, "grad_bytes": grad_bytes, "padding": padding}
+        # gloo's reduce_mode="pairwise" adds each peer's copy of this rank's segment into it: the reduction's sum
+        summed = sum((b.world_size - 1) * b.layout.segment_size * b.unsharded_grad.element_size() for b in state.dbuffers())
+        result[mode] = {"writes": writes.bytes, "grad_bytes": grad_bytes, "padding": padding, "summed": summed}
     return result
 
 
@@ -188,4 +190,5 @@ def test_first_gradients_land_without_zero_fill(dist_pool):
     assert fp32["writes"].get("aten::zero_") == fp32["grad_bytes"], fp32  # zeroed whole, autograd adds
     assert landing["writes"].get("aten::copy_") == landing["grad_bytes"] - landing["padding"], landing
     assert landing["writes"].get("aten::zero_", 0) <= landing["padding"], landing  # only what no gradient writes
-    assert "aten::add_" not in landing["writes"], landing  # every parameter runs once: no second gradient
+    # every parameter runs once: no second gradient is added, only the reduction sums the peers' segments
+    assert landing["writes"].get("aten::add_") == landing["summed"], landing

@@ -2,8 +2,9 @@
 
 A DBuffer (``dbuffer.py``) owns storage and views; the calls that move that storage
 between ranks are here: the all-gather of the shards into the full buffer, the
-reduction of the flat gradient (all-reduce in place or reduce-scatter into this rank's
-segment, chosen by ``default_reduce_mode``), and the small all-reduces that follow
+reduction of the flat gradient (all-reduce in place, the backend's reduce-scatter into this
+rank's segment, or ``pairwise.py``'s reduce-scatter from point-to-point sends, chosen by
+``default_reduce_mode``), and the small all-reduces that follow
 (HSDP's replicas, the runtime's "which parameters got a gradient" flags). Issuing one
 returns a :class:`PendingCollective` that keeps its tensors alive until it is waited for; on an
 accelerator the DBuffer issues it on a comm stream (``streams.py``) and waiting for it makes the
@@ -20,9 +21,10 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from lightning_ragged.engine.pairwise import PairwiseReduce
 from lightning_ragged.engine.streams import NO_STREAMS, CommStreams
 
-REDUCE_MODES = ("all_reduce", "reduce_scatter")
+REDUCE_MODES = ("all_reduce", "reduce_scatter", "pairwise")
 
 # torch 2.13 renamed the flat collectives (the old names still work there, deprecated);
 # the new names where they exist, the old ones on torch 2.9-2.12.
@@ -54,15 +56,25 @@ class CommStats:
         self.__init__()
 
 
-def default_reduce_mode(group: dist.ProcessGroup | None) -> str:
-    """gloo's reduce-scatter is an all-reduce plus copies, so all-reduce in place is cheaper there."""
-    return "all_reduce" if dist.get_backend(group) == "gloo" else "reduce_scatter"
+def resolve_reduce_mode(mode: str | None, group: dist.ProcessGroup | None, device: torch.device) -> str:
+    """``mode``, or the backend's best: on gloo ``pairwise`` (its reduce-scatter is an all-reduce plus copies;
+    point-to-point sends move half an all-reduce's bytes), elsewhere the backend's reduce-scatter."""
+    if mode is None:
+        return "pairwise" if dist.get_backend(group) == "gloo" else "reduce_scatter"
+    if mode not in REDUCE_MODES:
+        raise ValueError(f"reduce_mode={mode!r} is not supported; use one of {REDUCE_MODES}")
+    if mode == "pairwise" and device.type != "cpu":
+        raise ValueError(
+            f"reduce_mode='pairwise' reduces CPU tensors (gloo) only, not {device.type} ones; on {device.type} use "
+            "reduce_mode='reduce_scatter' (the backend's own) or leave reduce_mode unset"
+        )
+    return mode
 
 
 class PendingCollective:
     """An issued collective and the tensors that must stay alive until it finishes."""
 
-    def __init__(self, work: dist.Work | None, started: float, *keep_alive: torch.Tensor) -> None:
+    def __init__(self, work: dist.Work | PairwiseReduce | None, started: float, *keep_alive: torch.Tensor) -> None:
         self.work = work
         self.started = started
         self.keep_alive = keep_alive
@@ -105,7 +117,8 @@ def reduce(
     full: torch.Tensor, mode: str, group: dist.ProcessGroup | None, segment: slice, async_op: bool, started: float,
     replicate_group: dist.ProcessGroup | None = None, stats: CommStats | None = None,
 ) -> PendingCollective:
-    """Sum ``full`` over ``group``: in place (``all_reduce``) or into this rank's ``segment`` (``reduce_scatter``).
+    """Sum ``full`` over ``group``: in place (``all_reduce``) or into this rank's ``segment`` (``reduce_scatter``,
+    into a tensor of its own; ``pairwise``, in place in ``full``).
 
     The pending collective keeps ``(full, own_segment)`` alive; ``own_segment`` holds this
     rank's summed segment once it finished, summed over ``replicate_group`` too (HSDP): right
@@ -114,6 +127,11 @@ def reduce(
     if mode == "all_reduce":
         work = dist.all_reduce(full, group=group, async_op=async_op)
         own_segment = full[segment]
+    elif mode == "pairwise":
+        own_segment = full[segment]
+        work = PairwiseReduce(full, own_segment, group)
+        if not async_op:
+            work.wait()
     else:
         own_segment = torch.empty(segment.stop - segment.start, dtype=full.dtype, device=full.device)
         work = _reduce_scatter_single(own_segment, full, group=group, async_op=async_op)

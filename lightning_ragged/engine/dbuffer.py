@@ -47,7 +47,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_ragged.engine import collectives, storage
-from lightning_ragged.engine.collectives import REDUCE_MODES, CommStats, PendingCollective, default_reduce_mode
+from lightning_ragged.engine.collectives import CommStats, PendingCollective, resolve_reduce_mode
 from lightning_ragged.engine.events import DBufferObserver, EventKind, notify, observed
 from lightning_ragged.engine.partial_reshard import PartialReshard
 from lightning_ragged.engine.shard_cast import ShardCast
@@ -85,9 +85,6 @@ class DBuffer:
         self.single_rank = self.world_size == 1 and replicate_group is None  # no peer: nothing gathered or reduced
         if layout.world_size != self.world_size:
             raise ValueError(f"layout planned for {layout.world_size} ranks but the shard group has {self.world_size}")
-        self.reduce_mode = reduce_mode or default_reduce_mode(process_group)
-        if self.reduce_mode not in REDUCE_MODES:
-            raise ValueError(f"reduce_mode={reduce_mode!r} is not supported; use one of {REDUCE_MODES}")
         self.stats = stats if stats is not None else CommStats()
         self.observers: list[DBufferObserver] = []
         """Told of collectives and buffer (de)allocations (``events.py``); append to subscribe."""
@@ -98,6 +95,7 @@ class DBuffer:
         self.device = first.device if device is None else torch.device(device)
         if self.device.type == "meta":
             raise ValueError("parameters are on the meta device; pass fully_shard(..., device=...) to allocate shards")
+        self.reduce_mode = resolve_reduce_mode(reduce_mode, process_group, self.device)
         self.master_dtype = first.dtype
         self.param_dtype = param_dtype or self.master_dtype
         self.reduce_dtype = reduce_dtype or self.param_dtype

@@ -41,7 +41,7 @@ class DBufferEvent:
     dbuffer: Any
     """The :class:`~lightning_ragged.engine.dbuffer.DBuffer` (not imported here: it imports this module)."""
     collective: str | None
-    """``"all_gather"``, ``"all_reduce"`` or ``"reduce_scatter"``; ``None`` for buffer events."""
+    """``"all_gather"`` or the reduction's ``reduce_mode`` (``"pairwise"``, ``"all_reduce"``, ``"reduce_scatter"``); ``None`` for buffer events."""
     seconds: float
     """Time the calling thread spent inside the call (0 for events that are not calls)."""
     error: BaseException | None

@@ -1,0 +1,39 @@
+"""``reduce_mode="pairwise"``: a reduce-scatter of the flat gradient built from point-to-point sends.
+
+gloo's ``reduce_scatter_tensor`` is a clone, a full all-reduce and a copy, and an in-place
+all-reduce sends each rank 2(W-1)/W of the buffer. Here every rank sends each peer that peer's
+segment and sums the W-1 segments it receives into its own: (W-1)/W of the buffer per rank, half
+an all-reduce's bytes, for a scratch of W-1 segments while it is in flight. On gloo this is CPU
+work on the compute's own cores, so the bytes are the time (RESULTS "step-floor"); gloo's default.
+Each segment is summed as its owner's gradient plus the peers' in rank order.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+TAG = 0x52_46  # the engine's point-to-point messages; FIFO per peer, so reductions issued in one order pair up
+
+
+class PairwiseReduce:
+    """The sends and receives of one reduction; :meth:`wait` finishes them and sums into ``own``."""
+
+    def __init__(self, full: torch.Tensor, own: torch.Tensor, group: dist.ProcessGroup | None) -> None:
+        ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+        me, size = dist.get_rank(group), own.numel()
+        self.own = own
+        self.received = torch.empty(len(ranks) - 1, size, dtype=full.dtype, device=full.device)
+        self.works: list[dist.Work] = []
+        peers = [(index, rank) for index, rank in enumerate(ranks) if index != me]
+        for row, (index, rank) in enumerate(peers):
+            self.works.append(dist.isend(full[index * size : (index + 1) * size], rank, group=group, tag=TAG))
+            self.works.append(dist.irecv(self.received[row], rank, group=group, tag=TAG))
+
+    def wait(self) -> None:
+        """Block until every send and receive finished, then add the received segments (once)."""
+        works, self.works = self.works, []
+        for work in works:
+            work.wait()
+        for row in self.received if works else ():
+            self.own.add_(row)

@@ -1,0 +1,86 @@
+"""``reduce_mode="pairwise"`` (gloo's default): the reduce-scatter built from point-to-point sends.
+
+Oracles: DDP's averaged gradients (each rank's sharded gradient is their slice), the two
+collective modes on the same model and batch, and the bytes counted on the c10d ops it issues.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import lightning_ragged as lr
+from lightning_ragged.engine.collectives import resolve_reduce_mode
+from tests.models import lm_loss, make_batches, make_model
+from tests.test_fully_shard import BATCH, _local
+
+MODES = ("pairwise", "all_reduce", "reduce_scatter")
+
+
+class _IssuedBytes(TorchDispatchMode):
+    """Bytes of the first tensor argument of every c10d op, summed by op name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bytes: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = str(func.overloadpacket)
+        if name.startswith("c10d."):
+            first = args[0][0] if isinstance(args[0], (list, tuple)) else args[0]
+            self.bytes[name] = self.bytes.get(name, 0) + first.numel() * first.element_size()
+        return func(*args, **(kwargs or {}))
+
+
+def check_modes_vs_ddp() -> dict:
+    """One backward per mode on the same batch; each rank's sharded gradients vs its slice of DDP's."""
+    tokens = _local(make_batches(1, BATCH)[0])
+    ddp = DistributedDataParallel(make_model())
+    lm_loss(ddp, tokens).backward()
+    reference = {name: p.grad.reshape(-1) for name, p in ddp.module.named_parameters()}
+    result: dict = {"diff": {}, "sent": {}, "modes": {}, "grads": {}}
+    for mode in MODES:
+        kwargs = {} if mode == "pairwise" else {"reduce_mode": mode}  # pairwise: the default on gloo
+        model = lr.fully_shard(make_model(), shard_granularity="row", **kwargs)
+        state = lr.get_state(model)
+        with _IssuedBytes() as issued:
+            lm_loss(model, tokens).backward()
+        diff = 0.0
+        for name, param in model.named_parameters():
+            start, end = param.ragged_shard.local_range
+            if end > start:
+                diff = max(diff, (param.grad - reference[name][start:end]).abs().max().item())
+        result["diff"][mode] = diff
+        result["grads"][mode] = torch.cat([p.grad for p in model.parameters() if p.grad is not None])
+        result["modes"][mode] = sorted({b.reduce_mode for b in state.dbuffers()})
+        result["sent"][mode] = issued.bytes
+        result["full_bytes"] = sum(b.layout.buffer_numel * b.unsharded_grad.element_size() for b in state.dbuffers())
+    return result
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_pairwise_reduction_matches_ddp_and_sends_half_an_all_reduce(dist_pool, world_size):
+    for result in dist_pool(world_size).run(check_modes_vs_ddp):
+        assert result["modes"] == {mode: [mode] for mode in MODES}  # gloo's default is pairwise
+        # float32 sums of world_size terms in another order than DDP's ring: a few ulps of gradients ~1e-2
+        assert max(result["diff"].values()) <= 1e-6, result["diff"]
+        if world_size == 2:  # a + b either way round: the three modes agree bit for bit
+            assert torch.equal(result["grads"]["pairwise"], result["grads"]["all_reduce"])
+            assert torch.equal(result["grads"]["pairwise"], result["grads"]["reduce_scatter"])
+        full, share = result["full_bytes"], (world_size - 1) / world_size
+        sent = result["sent"]["pairwise"]
+        assert sent["c10d.send"] == pytest.approx(share * full)  # each peer its segment: (W-1)/W of every buffer
+        assert sent["c10d.recv_"] == pytest.approx(share * full)
+        flags = sent.get("c10d.allreduce_", 0)
+        assert flags < 1024  # only the used-gradient flags go through an all-reduce
+        assert result["sent"]["all_reduce"]["c10d.allreduce_"] - flags == full  # what a ring sends 2(W-1)/W of
+
+
+def test_pairwise_is_refused_off_the_cpu_and_unknown_modes_are_named():
+    with pytest.raises(ValueError, match=r"reduce_mode='pairwise' reduces CPU tensors \(gloo\) only.*'reduce_scatter'"):
+        resolve_reduce_mode("pairwise", None, torch.device("cuda"))
+    with pytest.raises(ValueError, match=r"reduce_mode='ring' is not supported; use one of \('all_reduce'"):
+        resolve_reduce_mode("ring", None, torch.device("cpu"))
+    assert resolve_reduce_mode("all_reduce", None, torch.device("cuda")) == "all_reduce"

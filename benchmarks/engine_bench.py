@@ -396,7 +396,7 @@ def render(result: dict[str, Any], cfg: GPTConfig, opts: dict[str, Any], load: t
         f"[ragged, fsdp2, ddp] (order rotated every round) x {opts['steps']} timed steps; "
         f"{opts['rounds'] * opts['steps']} timed steps per framework, all three persistent in one process per rank.",
         "Frameworks: lightning_ragged `fully_shard(model)` defaults (one group per block + root, row granularity, "
-        "optimal planner, reshard after forward, gloo: all-reduce of the flat gradient buffer); FSDP2 `fully_shard` on each "
+        "optimal planner, reshard after forward, gloo: `reduce_mode="pairwise"`, each peer sent its segment of the flat gradient buffer); FSDP2 `fully_shard` on each "
         "block then the root (defaults); DDP defaults (25 MiB buckets).",
         "",
         "| framework | median step ms (rank 0) | rank 1 | vs FSDP2 | vs FSDP2, per round | best step ms | fwd+bwd ms | optimizer ms | "
@@ -465,7 +465,8 @@ def render(result: dict[str, Any], cfg: GPTConfig, opts: dict[str, Any], load: t
         )
         + ".",
         "- collectives: `c10d::` operators dispatched during one forward+backward, with the bytes of the full-size "
-        "buffer of each (all-gather output, all-reduce/reduce-scatter input). By op: "
+        "buffer of each (all-gather output, all-reduce/reduce-scatter input; a point-to-point `send`/`recv_` of "
+        "lightning_ragged's pairwise reduction: its segment, one op per peer). By op: "
         + "; ".join(
             f"{name}: " + ", ".join(f"`{op}` {n} x, {mib(b)} MiB" for op, (n, b) in sorted(counts[name]["collectives_by_op"].items()))
             for name in FRAMEWORKS

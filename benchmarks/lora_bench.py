@@ -184,7 +184,8 @@ def collective_kinds(count: dict[str, Any]) -> dict[str, list[int]]:
     """[number, bytes] of the reductions, all-gathers and other collectives of one forward+backward."""
     kinds = {"reduce": [0, 0], "all_gather": [0, 0], "other": [0, 0]}
     for op, (number, nbytes) in count["collectives_by_op"].items():
-        kind = ("reduce" if "reduce" in op else "all_gather" if "allgather" in op else "other")
+        point_to_point = op in ("c10d::send", "c10d::recv_")  # reduce_mode="pairwise" (gloo's default)
+        kind = ("reduce" if "reduce" in op or point_to_point else "all_gather" if "allgather" in op else "other")
         kinds[kind][0] += number
         kinds[kind][1] += nbytes
     return kinds
@@ -302,7 +303,8 @@ def render(result: dict[str, Any], cfg: GPTConfig, opts: dict[str, Any], load: t
         "How each column is measured:",
         "- collectives: `c10d::` operators dispatched during one forward+backward after a warm-up step (engine_bench's "
         "count pass), with the bytes of each one's full-size buffer (all-gather output, all-reduce/reduce-scatter "
-        "input); reductions are `allreduce_`/`reduce_scatter` ops, the rest are in \"other\". By op: "
+        "input; a point-to-point op: its tensor); reductions are `allreduce_`/`reduce_scatter` ops and the "
+        "`send`/`recv_` of lightning_ragged's pairwise reduction (gloo), the rest are in \"other\". By op: "
         + "; ".join(
             f"{n}: " + ", ".join(f"`{o}` {c} x, {mib(b)} MiB" for o, (c, b) in sorted(counts[n]["collectives_by_op"].items()))
             for n in FRAMEWORKS

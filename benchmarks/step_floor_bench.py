@@ -6,8 +6,9 @@ in one process tree per world size (W=2 and W=4), alternating their order every 
 
 - ``plain``: every rank trains its own unwrapped model (no collective; AdamW over all parameters):
   DDP's computation without its communication;
-- DDP; lightning_ragged ``fully_shard`` defaults; the same with ``reshard_after_forward=False``
-  (one all-gather per group and step instead of two); FSDP2 (blocks, then the root).
+- DDP; lightning_ragged ``fully_shard`` defaults (gloo: ``reduce_mode="pairwise"``); the same
+  with the in-place all-reduce (the default before), and with ``reshard_after_forward=False`` (one
+  all-gather per group and step instead of two); FSDP2 (blocks, then the root).
 
 Beside the times it counts what each sends per rank and step through gloo (a ring model of every
 collective a ``TorchDispatchMode`` sees; DDP's reducer calls gloo from C++, out of a dispatch
@@ -44,6 +45,7 @@ VARIANTS = {
     "plain": "no communication (each rank alone, AdamW over all parameters)",
     "ddp": "DDP",
     "ragged": "lightning_ragged `fully_shard` defaults",
+    "ragged-allreduce": "lightning_ragged, `reduce_mode=\"all_reduce\"`",
     "ragged-keep": "lightning_ragged, `reshard_after_forward=False`",
     "fsdp2": "FSDP2 `fully_shard` (blocks, root)",
 }
@@ -54,16 +56,18 @@ def build(name: str) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     if name in ("ddp", "ragged", "fsdp2"):
         return memory_bench.build(name, "fp32")
     model = memory_bench.make_gpt(memory_bench.CFG, 0)
-    if name == "ragged-keep":
+    if name.startswith("ragged-"):
         import lightning_ragged
 
-        lightning_ragged.fully_shard(model, reshard_after_forward=False)
+        knob = {"ragged-keep": {"reshard_after_forward": False}, "ragged-allreduce": {"reduce_mode": "all_reduce"}}
+        lightning_ragged.fully_shard(model, **knob[name])
     return model, torch.optim.AdamW(model.parameters(), lr=memory_bench.LR)
 
 
 class WireBytes(TorchDispatchMode):
     """Bytes this rank sends per collective, ring model: all-gather (W-1)/W x output; all-reduce
-    2(W-1)/W x tensor; gloo's reduce-scatter is a full all-reduce of its input (DESIGN.md)."""
+    2(W-1)/W x tensor; gloo's reduce-scatter is a full all-reduce of its input (DESIGN.md); a
+    point-to-point send its tensor."""
 
     def __init__(self, world: int) -> None:
         super().__init__()
@@ -78,7 +82,8 @@ class WireBytes(TorchDispatchMode):
             tensors += [t for a in args if isinstance(a, (list, tuple)) for t in a if isinstance(t, torch.Tensor)]
             size = max((t.numel() * t.element_size() for t in tensors), default=0)
             kind = name.removeprefix("c10d.").strip("_")
-            factor = share if "allgather" in kind else 2 * share if "allreduce" in kind or "reduce_scatter" in kind else 0
+            factor = (share if "allgather" in kind else 2 * share if "allreduce" in kind or "reduce_scatter" in kind
+                      else 1 if kind == "send" else 0)  # a send: its tensor (reduce_mode="pairwise")
             self.sent[kind] = self.sent.get(kind, 0.0) + factor * size
         return func(*args, **(kwargs or {}))
 
@@ -179,25 +184,25 @@ def section(results: list[dict[str, Any]], opts: dict[str, Any]) -> str:
                 f"{statistics.median(vs):.2f}x ({min(vs):.2f}-{max(vs):.2f}) | {mib:.1f} | "
                 f"{parts or '-'} | {statistics.median(over) / mib if mib else 0:.2f} |"
             )
-    byte_ratios = {
-        name: ", ".join(f"W={r['world']} {sum(r['sent'][name].values()) / sum(r['sent']['ddp'].values()):.2f}x"
-                        for r in results)
-        for name in ("ragged", "ragged-keep")
-    }
+    def ratio(name: str) -> str:
+        return ", ".join(f"W={r['world']} {sum(r['sent'][name].values()) / sum(r['sent']['ddp'].values()):.2f}x"
+                         for r in results)
+
     lines += [
         "",
         "Reading it: on gloo every byte a collective moves is CPU work (copies through loopback TCP) on the same "
-        "cores the compute runs on, so what a framework costs over no communication follows what it sends (last "
-        "column: ms per MiB). DDP sends its gradients once (one all-reduce, 2(W-1)/W x the parameters). Sharding "
-        "(FSDP2 and us) adds the forward's all-gather and the backward's re-gather ((W-1)/W x the parameters "
-        "each; the root group is gathered once) to the same reduction (on gloo an all-reduce: gloo's "
-        "reduce-scatter is an all-reduce plus copies) and runs AdamW on 1/W of the parameters. lightning_ragged "
-        f"sends {byte_ratios['ragged']} DDP's bytes with its defaults and {byte_ratios['ragged-keep']} with "
-        "`reshard_after_forward=False`, at about DDP's cost per byte; FSDP2 sends what we send and pays more per "
-        "byte for its copy-in/copy-out around the same collectives (RESULTS \"engine\"). Issue 12's \"step <= "
-        "1.0x DDP's in fp32\" asks the sharded step to cost no more than DDP's while sending more bytes over the "
-        "compute's own cores: on this machine that is bounded by the bytes, not by the engine. Where collectives "
-        "run beside the compute (NCCL on GPUs: copy engines, NVLink) the coupling is gone; that comparison is "
+        "cores the compute runs on, so what a variant costs over no communication follows what it sends (last "
+        "column: ms per MiB). DDP sends its gradients once: one all-reduce, 2(W-1)/W x the parameters. Sharding "
+        "adds the forward's all-gather and the backward's re-gather ((W-1)/W x the parameters each; the root group "
+        "is gathered once) and runs AdamW on 1/W of the parameters. For the reduction, lightning_ragged on gloo "
+        "sends each peer its segment ((W-1)/W x the parameters, `reduce_mode=\"pairwise\"`); the in-place "
+        "all-reduce and gloo's reduce-scatter (FSDP2's; an all-reduce plus copies) send twice that. Bytes over "
+        f"DDP's: lightning_ragged defaults {ratio('ragged')}, with the all-reduce {ratio('ragged-allreduce')}, with "
+        f"`reshard_after_forward=False` {ratio('ragged-keep')}, FSDP2 {ratio('fsdp2')}. lightning_ragged pays "
+        "about DDP's cost per byte; FSDP2 more, for its copy-in/copy-out around the same collectives (RESULTS "
+        "\"engine\"). Issue 12's \"step <= 1.0x DDP's in fp32\" asks the default sharded step, which sends "
+        "more than DDP over the compute's own cores, to cost no more than DDP's. Where collectives run beside the "
+        "compute (NCCL on GPUs: copy engines, NVLink) that coupling is gone; that comparison is "
         "`benchmarks/gpu.py`'s (not run: no GPU lent).",
     ]
     return "\n".join(lines)

@@ -396,7 +396,8 @@ def render(result: dict[str, Any], cfg: GPTConfig, opts: dict[str, Any], load: t
         f"[ragged, fsdp2, ddp] (order rotated every round) x {opts['steps']} timed steps; "
         f"{opts['rounds'] * opts['steps']} timed steps per framework, all three persistent in one process per rank.",
         "Frameworks: lightning_ragged `fully_shard(model)` defaults (one group per block + root, row granularity, "
-        "optimal planner, reshard after forward, gloo: `reduce_mode="pairwise"`, each peer sent its segment of the flat gradient buffer); FSDP2 `fully_shard` on each "
+        "optimal planner, reshard after forward, gloo: `reduce_mode=\"pairwise\"`, each peer sent its segment of the flat gradient buffer); FSDP2 `fully_shard` "
+        "on each "
         "block then the root (defaults); DDP defaults (25 MiB buckets).",
         "",
         "| framework | median step ms (rank 0) | rank 1 | vs FSDP2 | vs FSDP2, per round | best step ms | fwd+bwd ms | optimizer ms | "

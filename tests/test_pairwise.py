@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import lightning_ragged as lr
 from lightning_ragged.engine.collectives import resolve_reduce_mode
+from lightning_ragged.engine.pairwise import PairwiseReduce
 from tests.models import lm_loss, make_batches, make_model
 from tests.test_fully_shard import BATCH, _local
 
@@ -84,3 +86,39 @@ def test_pairwise_is_refused_off_the_cpu_and_unknown_modes_are_named():
     with pytest.raises(ValueError, match=r"reduce_mode='ring' is not supported; use one of \('all_reduce'"):
         resolve_reduce_mode("ring", None, torch.device("cpu"))
     assert resolve_reduce_mode("all_reduce", None, torch.device("cuda")) == "all_reduce"
+
+
+class _Work:
+    """A stand-in for a gloo Work: records its wait, or raises as a lost peer's does."""
+
+    def __init__(self, fails: bool) -> None:
+        self.fails, self.waited = fails, False
+
+    def wait(self) -> bool:
+        self.waited = True
+        if self.fails:
+            raise RuntimeError("peer lost")
+        return True
+
+
+def check_defaults_and_a_failed_send() -> dict:
+    defaults = {kind: resolve_reduce_mode(None, None, torch.device(kind)) for kind in ("cpu", "cuda")}
+    full = torch.arange(4.0) + dist.get_rank()
+    reduction = PairwiseReduce(full, full[dist.get_rank() * 2 : dist.get_rank() * 2 + 2], None)
+    failing, later = _Work(fails=True), _Work(fails=False)
+    real = reduction.works
+    reduction.works = [failing, later, *real]
+    try:
+        reduction.wait()
+        raised = None
+    except RuntimeError as error:
+        raised = str(error)
+    return {"defaults": defaults, "raised": raised, "later_waited": later.waited, "own": full.tolist(),
+            "real_done": all(work.is_completed() for work in real)}
+
+
+def test_gloo_defaults_by_device_and_a_failed_send_leaves_nothing_in_flight(dist_pool):
+    for rank, result in enumerate(dist_pool(2).run(check_defaults_and_a_failed_send)):
+        assert result["defaults"] == {"cpu": "pairwise", "cuda": "all_reduce"}  # gloo stages device tensors itself
+        assert result["raised"] == "peer lost" and result["later_waited"] and result["real_done"], result
+        assert result["own"] == [float(v + rank) for v in range(4)]  # failed: nothing summed into the segment

@@ -57,16 +57,19 @@ class CommStats:
 
 
 def resolve_reduce_mode(mode: str | None, group: dist.ProcessGroup | None, device: torch.device) -> str:
-    """``mode``, or the backend's best: on gloo ``pairwise`` (its reduce-scatter is an all-reduce plus copies;
-    point-to-point sends move half an all-reduce's bytes), elsewhere the backend's reduce-scatter."""
+    """``mode``, or the backend's best: on gloo ``pairwise`` for CPU tensors (its reduce-scatter is an all-reduce
+    plus copies; point-to-point sends move half an all-reduce's bytes) and the in-place all-reduce for device
+    tensors; elsewhere the backend's reduce-scatter."""
     if mode is None:
-        return "pairwise" if dist.get_backend(group) == "gloo" else "reduce_scatter"
+        if dist.get_backend(group) != "gloo":
+            return "reduce_scatter"
+        return "pairwise" if device.type == "cpu" else "all_reduce"  # gloo on device tensors: its own staging
     if mode not in REDUCE_MODES:
         raise ValueError(f"reduce_mode={mode!r} is not supported; use one of {REDUCE_MODES}")
     if mode == "pairwise" and device.type != "cpu":
         raise ValueError(
             f"reduce_mode='pairwise' reduces CPU tensors (gloo) only, not {device.type} ones; on {device.type} use "
-            "reduce_mode='reduce_scatter' (the backend's own) or leave reduce_mode unset"
+            "reduce_mode='reduce_scatter' (NCCL's own) or 'all_reduce', or leave reduce_mode unset"
         )
     return mode
 
@@ -160,8 +163,8 @@ def host_tensor(values: Sequence[float], dtype: torch.dtype, device: torch.devic
     (all queued compute); staged through pinned memory, the copy is queued like a kernel.
     """
     tensor = torch.tensor(values, dtype=dtype)
-    if device.type == "cpu":
-        return tensor
+    if device.type != "cuda":
+        return tensor.to(device)
     return tensor.pin_memory().to(device, non_blocking=True)
 
 

@@ -343,7 +343,7 @@ class DBuffer:
         return not self._awaiting
 
     def reduce_grad(self, async_op: bool = True) -> None:
-        """Sum the flat gradient buffer over the shard group, in place (all-reduce) or into S (reduce-scatter)."""
+        """Sum the flat gradient buffer over the shard group: into S in place (pairwise, all-reduce) or apart (reduce-scatter)."""
         observed(self, EventKind.REDUCE_ISSUED, self.reduce_mode, self._on_stream, False, self._issue_reduce, async_op)
         if not async_op:
             self.finish_reduce()

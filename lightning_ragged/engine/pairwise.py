@@ -20,20 +20,30 @@ class PairwiseReduce:
     """The sends and receives of one reduction; :meth:`wait` finishes them and sums into ``own``."""
 
     def __init__(self, full: torch.Tensor, own: torch.Tensor, group: dist.ProcessGroup | None) -> None:
-        ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
-        me, size = dist.get_rank(group), own.numel()
+        world, me, size = dist.get_world_size(group), dist.get_rank(group), own.numel()
         self.own = own
-        self.received = torch.empty(len(ranks) - 1, size, dtype=full.dtype, device=full.device)
+        self.received = torch.empty(world - 1, size, dtype=full.dtype, device=full.device)
         self.works: list[dist.Work] = []
-        peers = [(index, rank) for index, rank in enumerate(ranks) if index != me]
+        global_rank = (lambda index: index) if group is None else (lambda index: dist.get_global_rank(group, index))
+        peers = [(index, global_rank(index)) for index in range(world) if index != me]
         for row, (index, rank) in enumerate(peers):
             self.works.append(dist.isend(full[index * size : (index + 1) * size], rank, group=group, tag=TAG))
             self.works.append(dist.irecv(self.received[row], rank, group=group, tag=TAG))
 
     def wait(self) -> None:
-        """Block until every send and receive finished, then add the received segments (once)."""
+        """Block until every send and receive finished, then add the received segments (once).
+
+        Every one is waited for even after one failed (a lost peer), so none is left reading or
+        writing the buffers when the caller frees them; the first failure is raised after.
+        """
         works, self.works = self.works, []
+        failure: Exception | None = None
         for work in works:
-            work.wait()
+            try:
+                work.wait()
+            except Exception as error:  # re-raised below, once the others finished
+                failure = failure or error
+        if failure is not None:
+            raise failure
         for row in self.received if works else ():
             self.own.add_(row)

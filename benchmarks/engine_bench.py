@@ -455,7 +455,8 @@ def render(result: dict[str, Any], cfg: GPTConfig, opts: dict[str, Any], load: t
         )
         + ". lightning_ragged points every `param.grad` at its view of the flat gradient buffer, so the buffer is "
         "zeroed once per step and autograd accumulates (`add_`) each gradient into it instead of handing over the "
-        "tensor it produced; that is ~2 x P bytes of writes that the copy column does not show.",
+        "tensor it produced; that is ~2 x P bytes of writes that the copy column does not show. The rest of its "
+        "`add_` is the pairwise reduction summing each peer's copy of this rank's segment into it ((W-1)/W x P).",
         "- per-round medians (ms, rank 0), to show drift from other jobs: "
         + "; ".join(
             f"{name}: " + ", ".join(

@@ -191,12 +191,11 @@ def run_rank(rank: int, world: int, precision: str, opts: dict[str, Any]) -> dic
 def worker(rank: int, world: int, precision: str, init_file: str, opts: dict[str, Any], out_path: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
-        result = run_rank(rank, world, precision, opts)
-        if rank == 0:
-            Path(out_path).write_text(json.dumps(result))
-    finally:
-        dist.destroy_process_group()
+    result = run_rank(rank, world, precision, opts)
+    if rank == 0:
+        Path(out_path).write_text(json.dumps(result))
+    dist.destroy_process_group()
+    os._exit(0)  # the result is written; skip interpreter teardown, where gloo's threads can abort (pytorch#190489)
 
 
 @contextlib.contextmanager
@@ -348,7 +347,11 @@ def render(results: list[dict[str, Any]], quick: bool) -> str:
         "Checked on a hand-counted case in `tests/test_live_memory.py` (exact bytes for plain tensors, views, "
         "`resize_`, forward+backward; FSDP2's unsharded parameters and our unsharded DBuffers seen during forward). "
         "Not seen: allocations no dispatched operator touches (gloo's internal copies on its own threads, e.g. its "
-        "reduce-scatter's scratch, which favours FSDP2), and allocator caching/fragmentation.",
+        "reduce-scatter's scratch, which favours FSDP2), and allocator caching/fragmentation. Seen: the scratch of "
+        "lightning_ragged's pairwise reduction on gloo ((W-1)/W of the reducing DBuffer's gradient buffer while it "
+        "is in flight, a tensor of ours); in bf16 the peak falls in the last block's backward while the head's "
+        "DBuffer (reduced first) is in flight, so that scratch is in the peak (RESULTS \"memory-floor\" measures it "
+        "against `reduce_mode=\"all_reduce\"`, which trades it back for twice the reduction's bytes).",
         "- step: wall time of zero_grad + forward + backward + `optimizer.step()`, per step the slowest rank, median over "
         "the timed steps. Ratios: per round, the framework's median step over the peer's in the same round (they ran "
         "back to back), then the median over rounds, with the min-max over rounds as the spread. Per-round medians (ms): "

@@ -34,6 +34,7 @@ WORLD = 2
 VARIANTS = {
     "ragged": "lightning_ragged, blocks + root",
     "ragged-embed": "lightning_ragged, blocks + embedding + root",
+    "ragged-allreduce": "lightning_ragged, blocks + root, `reduce_mode=\"all_reduce\"`",
     "fsdp2": "FSDP2, blocks + root",
     "fsdp2-embed": "FSDP2, blocks + embedding + root",
 }
@@ -41,12 +42,16 @@ VARIANTS = {
 
 def build(name: str, precision: str, seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     """``memory_bench.build`` for its frameworks; the ``-embed`` variants also give the embedding a group."""
-    if not name.endswith("-embed"):
+    if not name.endswith(("-embed", "-allreduce")):
         return memory_bench.default_build(name, precision, seed)
     model = memory_bench.make_gpt(memory_bench.CFG, seed)
     bf16 = memory_bench.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     policy = bf16 if precision == "bf16" else None
-    if name == "ragged-embed":
+    if name == "ragged-allreduce":
+        import lightning_ragged
+
+        lightning_ragged.fully_shard(model, mp_policy=policy, reduce_mode="all_reduce")
+    elif name == "ragged-embed":
         import lightning_ragged
 
         lightning_ragged.fully_shard(model, mp_policy=policy, group_modules=[type(model.blocks[0]), model.embed])
@@ -106,6 +111,15 @@ def section(results: dict[str, list[dict]]) -> str:
         "default wrapping, so issue 12's \"<= 0.9x FSDP2's peak\" is out of reach on this model for live "
         "tensor bytes; what remains between the frameworks on a GPU is the allocator (reserved memory, streams).",
     ]
+    model = memory_bench.make_gpt(memory_bench.CFG)
+    head = sum(p.numel() for p in [*model.head.parameters(), *model.ln_f.parameters()])
+    for precision, gathered in results.items():
+        pairwise, all_reduce = (max(rank[name]["peak_bytes"] for rank in gathered) for name in ("ragged", "ragged-allreduce"))
+        lines.append(
+            f"{precision}: the pairwise reduction's peak is {(pairwise - all_reduce) / 2**20:+.1f} MiB over the in-place "
+            f"all-reduce's; the scratch of the head's DBuffer (final norm + head, {head / 1e6:.2f}M fp32 gradients, "
+            f"reduced first, in flight through the last block's backward) is {head * 4 * (WORLD - 1) / WORLD / 2**20:.1f} MiB."
+        )
     for precision, gathered in results.items():
         ours, theirs = (max(rank[name]["peak_bytes"] for rank in gathered) for name in ("ragged-embed", "fsdp2-embed"))
         if ours - theirs > 2**16:  # more than 64 KiB

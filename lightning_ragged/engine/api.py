@@ -80,7 +80,8 @@ def fully_shard(
     for backward, an int ``n`` keeps 1/n of them so backward re-gathers inside groups of
     ``n`` consecutive ranks (e.g. a node). ``replicate_group`` (HSDP) additionally averages
     the sharded gradients across replicas. ``reduce_mode`` overrides the per-backend choice
-    ("pairwise" on gloo, "reduce_scatter" elsewhere; "all_reduce" in place). ``alignment``: every parameter
+    ("pairwise" on gloo for CPU tensors, "all_reduce" in place for gloo on device tensors, "reduce_scatter"
+    elsewhere). ``alignment``: every parameter
     view starts at a multiple of this many elements (default: 16 bytes). ``device`` places
     the buffers (required for a model on the meta device, whose shards start uninitialized).
     ``sync_module_states`` (FSDP1's name; default True, as DDP): every rank starts from rank 0's

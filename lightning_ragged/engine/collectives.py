@@ -4,7 +4,7 @@ A DBuffer (``dbuffer.py``) owns storage and views; the calls that move that stor
 between ranks are here: the all-gather of the shards into the full buffer, the
 reduction of the flat gradient (all-reduce in place, the backend's reduce-scatter into this
 rank's segment, or ``pairwise.py``'s reduce-scatter from point-to-point sends, chosen by
-``default_reduce_mode``), and the small all-reduces that follow
+``resolve_reduce_mode``), and the small all-reduces that follow
 (HSDP's replicas, the runtime's "which parameters got a gradient" flags). Issuing one
 returns a :class:`PendingCollective` that keeps its tensors alive until it is waited for; on an
 accelerator the DBuffer issues it on a comm stream (``streams.py``) and waiting for it makes the
@@ -69,7 +69,7 @@ def resolve_reduce_mode(mode: str | None, group: dist.ProcessGroup | None, devic
     if mode == "pairwise" and device.type != "cpu":
         raise ValueError(
             f"reduce_mode='pairwise' reduces CPU tensors (gloo) only, not {device.type} ones; on {device.type} use "
-            "reduce_mode='reduce_scatter' (NCCL's own) or 'all_reduce', or leave reduce_mode unset"
+            "reduce_mode='reduce_scatter' (the backend's own) or 'all_reduce', or leave reduce_mode unset"
         )
     return mode
 

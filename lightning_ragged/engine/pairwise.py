@@ -24,26 +24,37 @@ class PairwiseReduce:
         self.own = own
         self.received = torch.empty(world - 1, size, dtype=full.dtype, device=full.device)
         self.works: list[dist.Work] = []
+        self.failure: Exception | None = None
         global_rank = (lambda index: index) if group is None else (lambda index: dist.get_global_rank(group, index))
         peers = [(index, global_rank(index)) for index in range(world) if index != me]
-        for row, (index, rank) in enumerate(peers):
-            self.works.append(dist.isend(full[index * size : (index + 1) * size], rank, group=group, tag=TAG))
-            self.works.append(dist.irecv(self.received[row], rank, group=group, tag=TAG))
+        try:
+            for row, (index, rank) in enumerate(peers):
+                self.works.append(dist.isend(full[index * size : (index + 1) * size], rank, group=group, tag=TAG))
+                self.works.append(dist.irecv(self.received[row], rank, group=group, tag=TAG))
+        except Exception as error:  # the ones already issued must not outlive the buffers
+            self.failure = error
+            self._finish()
+            raise
 
     def wait(self) -> None:
         """Block until every send and receive finished, then add the received segments (once).
 
         Every one is waited for even after one failed (a lost peer), so none is left reading or
-        writing the buffers when the caller frees them; the first failure is raised after.
+        writing the buffers when the caller frees them; the first failure is raised after, and
+        again by any later call. (After a hung peer that is one process-group timeout per op.)
         """
+        summed = not self.works
+        self._finish()
+        if self.failure is not None:
+            raise self.failure
+        if not summed:
+            for row in self.received:
+                self.own.add_(row)
+
+    def _finish(self) -> None:
         works, self.works = self.works, []
-        failure: Exception | None = None
         for work in works:
             try:
                 work.wait()
-            except Exception as error:  # re-raised below, once the others finished
-                failure = failure or error
-        if failure is not None:
-            raise failure
-        for row in self.received if works else ():
-            self.own.add_(row)
+            except Exception as error:  # raised by wait() once the others finished
+                self.failure = self.failure or error

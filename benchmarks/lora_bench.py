@@ -247,9 +247,9 @@ def render(result: dict[str, Any], cfg: GPTConfig, opts: dict[str, Any], load: t
         "trainable parameters).",
         "",
         "Counts first (collectives, bytes, elements: exact, the same in every run; memory: mostly within a few "
-        "hundred KiB from run to run, but rank 0's at-rest value for lightning_ragged was 34.7-60.4 MiB over four "
-        "quick runs, with either reduction mode (likely cause: the profiler's running sum misses frees made on gloo's threads, "
-        "where the last reference to a reduced buffer can die)), then times (noisy on this shared machine). "
+        "hundred KiB from run to run, but rank 0's at-rest value for lightning_ragged varies by tens of MiB between "
+        "runs, with either reduction mode; likely cause: the profiler's running sum misses frees made on gloo's "
+        "threads, where the last reference to a reduced buffer can die), then times (noisy on this shared machine). "
         "lightning_ragged's reductions count each point-to-point op of its pairwise reduction (a `send` and a "
         "`recv_` per peer and DBuffer):",
         "",

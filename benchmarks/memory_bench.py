@@ -349,9 +349,9 @@ def render(results: list[dict[str, Any]], quick: bool) -> str:
         "Not seen: allocations no dispatched operator touches (gloo's internal copies on its own threads, e.g. its "
         "reduce-scatter's scratch, which favours FSDP2), and allocator caching/fragmentation. Seen: the scratch of "
         "lightning_ragged's pairwise reduction on gloo ((W-1)/W of the reducing DBuffer's gradient buffer while it "
-        "is in flight, a tensor of ours); in bf16 the peak falls in the last block's backward while the head's "
-        "DBuffer (reduced first) is in flight, so that scratch is in the peak (RESULTS \"memory-floor\" measures it "
-        "against `reduce_mode=\"all_reduce\"`, which trades it back for twice the reduction's bytes).",
+        "is in flight, a tensor of ours): where a peak falls while a reduction is in flight, that scratch is in it "
+        "(RESULTS \"memory-floor\" measures the peak against `reduce_mode=\"all_reduce\"`, which trades the "
+        "scratch back for twice the reduction's bytes).",
         "- step: wall time of zero_grad + forward + backward + `optimizer.step()`, per step the slowest rank, median over "
         "the timed steps. Ratios: per round, the framework's median step over the peer's in the same round (they ran "
         "back to back), then the median over rounds, with the min-max over rounds as the spread. Per-round medians (ms): "

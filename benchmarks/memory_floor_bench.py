@@ -115,10 +115,13 @@ def section(results: dict[str, list[dict]]) -> str:
     head = sum(p.numel() for p in [*model.head.parameters(), *model.ln_f.parameters()])
     for precision, gathered in results.items():
         pairwise, all_reduce = (max(rank[name]["peak_bytes"] for rank in gathered) for name in ("ragged", "ragged-allreduce"))
+        scratch = head * 4 * (WORLD - 1) / WORLD
         lines.append(
             f"{precision}: the pairwise reduction's peak is {(pairwise - all_reduce) / 2**20:+.1f} MiB over the in-place "
-            f"all-reduce's; the scratch of the head's DBuffer (final norm + head, {head / 1e6:.2f}M fp32 gradients, "
-            f"reduced first, in flight through the last block's backward) is {head * 4 * (WORLD - 1) / WORLD / 2**20:.1f} MiB."
+            "all-reduce's"
+            + (f", the size of the head DBuffer's scratch ((W-1)/W of the final norm's and head's {head / 1e6:.2f}M fp32 "
+               f"gradients, {scratch / 2**20:.1f} MiB; that DBuffer is reduced first, so its reduction is in flight "
+               "during the next block's backward)." if abs(pairwise - all_reduce - scratch) < 2**18 else ".")
         )
     for precision, gathered in results.items():
         ours, theirs = (max(rank[name]["peak_bytes"] for rank in gathered) for name in ("ragged-embed", "fsdp2-embed"))

@@ -4,7 +4,7 @@ gloo's ``reduce_scatter_tensor`` is a clone, a full all-reduce and a copy, and a
 all-reduce sends each rank 2(W-1)/W of the buffer. Here every rank sends each peer that peer's
 segment and sums the W-1 segments it receives into its own: (W-1)/W of the buffer per rank, half
 an all-reduce's bytes, for a scratch of W-1 segments while it is in flight. On gloo this is CPU
-work on the compute's own cores, so the bytes are the time (RESULTS "step-floor"); gloo's default.
+work on the compute's own cores, so fewer bytes are less time (RESULTS "step-floor"); gloo's default.
 Each segment is summed as its owner's gradient plus the peers' in rank order.
 """
 

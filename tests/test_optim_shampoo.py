@@ -200,13 +200,18 @@ def test_tile_pieces_are_read_and_updated_in_place():
     assert torch.equal(seen, full + 1000.0)  # every element updated exactly once, in place
 
 
-def test_shampoo_state_dict_keys_tiles_globally():
+def _stepped_once() -> tuple[nn.Module, Shampoo, dict]:
+    """The MLP, a Shampoo after one step on all-ones gradients, and its state dict."""
     model = make_mlp()
     optimizer = Shampoo(model.named_parameters(), **HYPER)
     for p in model.parameters():
         p.grad = torch.ones_like(p)
     optimizer.step()
-    state = optimizer.state_dict()
+    return model, optimizer, optimizer.state_dict()
+
+
+def test_shampoo_state_dict_keys_tiles_globally():
+    model, optimizer, state = _stepped_once()
     assert state["ragged"]["0.weight"]["state_layout"] == {"tiles": "tiles"}
     assert set(state["state"]) == {"0.weight", "0.bias", "2.weight", "2.bias", "4.weight", "4.bias"}
     assert set(state["state"]["0.weight"]["tiles"]) == {f"{i},{j}" for i in range(3) for j in range(2)}
@@ -303,12 +308,7 @@ def test_shampoo_refuses_a_bad_param_group_and_keeps_its_groups():
 
 
 def test_loading_state_of_another_tile_geometry_is_refused_before_anything_changes():
-    model = make_mlp()
-    optimizer = Shampoo(model.named_parameters(), **HYPER)
-    for p in model.parameters():
-        p.grad = torch.ones_like(p)
-    optimizer.step()
-    state = optimizer.state_dict()
+    model, optimizer, state = _stepped_once()
     other = Shampoo(model.named_parameters(), **{**HYPER, "max_preconditioner_dim": 8})
     with pytest.raises(ValueError, match=r"param group 0 was saved with max_preconditioner_dim=4, this optimizer has "
                                          r"max_preconditioner_dim=8; .* build the optimizer with max_preconditioner_dim=4"):

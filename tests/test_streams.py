@@ -84,7 +84,9 @@ def _sid(tensor: torch.Tensor) -> int:
 
 class KernelLog(TorchDispatchMode):
     """Logs every c10d collective with the stream current at its issue, its dtype kind; and every kernel (views
-    excluded: they touch no memory) as ("op", stream, "namespace::name", storages touched, storages created). Made
+    excluded: they touch no memory) as ("op", stream, "namespace::name", storages touched, storages created; a
+    storage can be born at a dead one's address, e.g. one a backend made inside a collective, so every birth is
+    logged, ``torch.tensor(data)``'s at its ``lift_fresh``). Made
     on compute and touched by a side stream, a storage gets a finalizer that logs ("dead", storage) when it is
     freed (what a backend allocates inside a collective is the side stream's, as the buffers made there)."""
 
@@ -101,6 +103,9 @@ class KernelLog(TorchDispatchMode):
         if func.namespace == "c10d":
             self.recorder.log.append(("collective", name.split("::")[1], stream, inputs[0].is_floating_point()))
         out = func(*args, **kwargs)
+        if func is torch.ops.aten.lift_fresh.default:  # torch.tensor(data): an alias of a tensor born outside the mode
+            self.recorder.log.append(("op", stream, name, frozenset({_sid(out)}), frozenset({_sid(out)})))
+            return out
         if func.is_view or func is torch.ops.aten.set_.source_Storage_storage_offset:
             return out
         touched = {_sid(t) for t in inputs}

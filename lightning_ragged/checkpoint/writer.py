@@ -4,7 +4,7 @@ A save goes to a hidden sibling directory (``atomic_dir.partial_path``), every r
 its shards, rank 0 writes ``meta.pt`` and ``checksums.json`` last and publishes the
 directory with one atomic rename (``atomic_dir.publish``): a crash at any point leaves the
 name holding the previous checkpoint or the new one. An asynchronous save stages one copy
-of each buffer in CPU memory (pinned when the tensors are on CUDA; torch's ``DefaultStager``,
+of each buffer in CPU memory (pinned when the tensors are on CUDA; DCP's ``StateDictStager``,
 whose buffers the next save reuses) and finishes in the background (:class:`PendingSave`); ``full=True``
 streams the shards into one ordinary file (``consolidation.py``). A save's collectives that
 time out raise ``CheckpointTimeoutError`` (``timeout.py``).
@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.distributed.checkpoint._state_dict_stager import StateDictStager
 from torch.utils._pytree import tree_leaves
 
 from lightning_ragged.checkpoint import atomic_dir, checksums, safe_unpickle
@@ -130,7 +130,7 @@ class CheckpointWriter:
         self.timeout = timeout
         """The async save's process-group timeout; None: the default group's (the strategy's ``timeout``)."""
         self._saves = 0  # every rank counts the same saves: names a timed-out save's collectives in the store
-        self._stagers: dict[bool, DefaultStager] = {}
+        self._stagers: dict[bool, StateDictStager] = {}
         """Async staging into CPU memory, keyed by "tensors on CUDA"; kept so each save reuses the buffers."""
 
     def close(self) -> None:
@@ -155,20 +155,22 @@ class CheckpointWriter:
     def _stage(self, tensors: Any) -> Any:
         """A CPU copy of every tensor the training step will overwrite (one per shared storage).
 
-        Staged by torch's ``DefaultStager`` (``StateDictStager`` underneath: one CPU storage
-        per source storage, so a DBuffer's views share one copy), pinned with non-blocking
-        copies when the tensors are on CUDA, plain CPU copies otherwise. The stager keeps
-        its buffers, keyed weakly by the source storages, so the next save copies into the
-        same CPU memory instead of allocating it again (``close()`` frees them).
+        Staged by DCP's ``StateDictStager`` (what its ``DefaultStager`` wraps: one CPU storage per
+        source storage, so a DBuffer's views share one copy), pinned with non-blocking copies when the
+        tensors are on CUDA, then each of their devices synchronized; plain CPU copies otherwise. The
+        stager keeps its buffers, keyed weakly by the source storages, so the next save copies into
+        the same CPU memory instead of allocating it again (``close()`` frees them). Not through
+        ``DefaultStager``: on torch 2.11 and 2.12 it empties that cache (and its copy table) after
+        every stage, so its second stage fails.
         """
-        on_cuda = any(_is_cuda(leaf) for leaf in tree_leaves(tensors))
-        stager = self._stagers.get(on_cuda)
+        devices = {leaf.device for leaf in tree_leaves(tensors) if _is_cuda(leaf)}
+        stager = self._stagers.get(bool(devices))
         if stager is None:
-            options = StagingOptions(
-                use_pinned_memory=on_cuda, use_shared_memory=False, use_async_staging=False, use_non_blocking_copy=on_cuda
-            )
-            stager = self._stagers[on_cuda] = DefaultStager(options)
-        return stager.stage(tensors)
+            stager = self._stagers[bool(devices)] = StateDictStager(pin_memory=bool(devices), share_memory=False)
+        staged = stager.stage(tensors, non_blocking=bool(devices))
+        for device in devices:  # the copies were queued on each device's current stream
+            torch.cuda.synchronize(device)
+        return staged
 
     def save(
         self,

@@ -139,7 +139,8 @@ FR_DUMPS = ROOT / "tests" / "fixtures" / "flight_recorder"  # tests/fixtures/mak
 
 
 def _torch_analyzer_missing(dumps: dict) -> list[tuple[int, str, set[int]]]:
-    """Oracle: torch's own fr_trace matcher over the same entries (gloo leaves pg_config empty: given here)."""
+    """Oracle: torch's own fr_trace matcher over the same entries (gloo leaves pg_config empty: given here;
+    torch < 2.13's matcher parses only NCCL/XCCL names, so the entries it reads are labelled nccl)."""
     import copy
 
     from torch.distributed.flight_recorder.components.builder import build_collectives, build_groups_memberships
@@ -150,6 +151,8 @@ def _torch_analyzer_missing(dumps: dict) -> list[tuple[int, str, set[int]]]:
     pg_config = {r: {name: {"name": name, "desc": desc, "ranks": ranks} for name, desc in names} for r in dumps}
     _, groups, _, memberships, guids = build_groups_memberships(pg_config)
     entries = align_trace_from_beginning({r: copy.deepcopy(d["entries"]) for r, d in dumps.items()})
+    for entry in (e for rank_entries in entries.values() for e in rank_entries):
+        entry["profiling_name"] = entry["profiling_name"].replace("gloo:", "nccl:", 1)
     _, collectives, _ = build_collectives(entries, groups, memberships, guids, dumps[0]["version"])
     return [(c.collective_seq_id, c.collective_name, c.missing_ranks) for c in collectives if c.missing_ranks]
 

@@ -299,3 +299,22 @@ def test_prefetch_order_follows_the_latest_forward(dist_pool):
     forward = ["blocks.0", "blocks.1", "blocks.2"]
     assert result["orders"] == [forward, forward[::-1], forward[::-1], forward]
     assert result["diff"] <= 1e-6
+
+
+def check_unused_prefetch_waited() -> dict:
+    """A group prefetched for a backward it never runs (frozen, no input needing a gradient) is not left
+    gathering through the optimizer step when the full parameters are kept after backward."""
+    model = make_model()
+    for param in (model.embed.weight, model.pos, *model.blocks[0].parameters()):
+        param.requires_grad_(False)
+    model = lr.fully_shard(model)
+    model.set_reshard_after_backward(False)
+    state = lr.get_state(model)
+    lm_loss(model, _local(make_batches(1, BATCH)[0])).backward()
+    first = next(g for g in state.groups if g.module is model.blocks[0])
+    return {"pending": [g.name for g in state.all_groups if g.unshard_pending], "first_full": first.is_unsharded}
+
+
+def test_a_prefetch_nothing_used_is_finished_by_the_end_of_backward(dist_pool):
+    for result in dist_pool(2).run(check_unused_prefetch_waited):
+        assert result == {"pending": [], "first_full": True}, result

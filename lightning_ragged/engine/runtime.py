@@ -131,6 +131,8 @@ class RaggedFSDPState:
             for group in self.all_groups:
                 if group.reshard_after_backward:
                     group.reshard()
+                else:
+                    group.wait_unshard()  # kept full, as after a backward (_finish_group)
 
     def _begin_step(self) -> None:
         """Recover from a backward that raised, release what a backward-less forward kept,
@@ -286,6 +288,8 @@ class RaggedFSDPState:
                 self._reduce(dbuffer)
         if group.reshard_after_backward:
             group.reshard()
+        else:  # kept full: a prefetch its backward never used must not read the shards during the optimizer step
+            group.wait_unshard()
         group.end_backward()
 
     def _reduce(self, dbuffer: DBuffer) -> None:
@@ -304,10 +308,12 @@ class RaggedFSDPState:
         for group in self.all_groups:
             if group.backward_prepared or group.forward_calls:
                 self._finish_group(group)
-            elif (group.is_unsharded or group.unshard_pending) and group.reshard_after_backward:
+            elif group.reshard_after_backward and (group.is_unsharded or group.unshard_pending):
                 # ran forward with reshard_after_forward=False but got no gradient, or was prefetched and did not
                 # run: a gather left pending would be used after the optimizer step, with the old values
                 group.reshard()
+            else:
+                group.wait_unshard()  # kept full, as in _finish_group
         if self._reduced:
             self._settle_unused()
         self._finish_in_flight()

@@ -251,6 +251,8 @@ def test_configure_flight_recorder_sets_only_what_the_user_did_not(tmp_path):
     assert env["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
     assert env["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] == str(tmp_path / "fr" / "nccl_trace_rank_")
     assert (tmp_path / "fr").is_dir()
+    newer = {"TORCH_FR_DUMP_TEMP_FILE": "/elsewhere/trace_"}  # torch's backend-neutral name, set by the user
+    assert "TORCH_NCCL_DEBUG_INFO_TEMP_FILE" not in flight_recorder.configure_flight_recorder("nccl", tmp_path, environ=newer)
     assert flight_recorder.configure_flight_recorder("gloo", tmp_path, environ={}) == {}
     applied = flight_recorder.configure_flight_recorder("cpu:gloo,cuda:nccl", tmp_path, 10, environ={})
     assert applied["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "10"

@@ -47,7 +47,7 @@ def configure_flight_recorder(
     """Enable torch's NCCL flight recorder and its dump on timeout; what was set (empty: not NCCL).
 
     Call before the NCCL process group is created (torch reads the variables then). A
-    variable the user set is kept as it is.
+    variable the user set, under its NCCL name or its newer ``TORCH_FR_*`` one, is kept as it is.
     """
     if not isinstance(buffer_size, int) or isinstance(buffer_size, bool) or buffer_size <= 0:
         raise ValueError(f"buffer_size={buffer_size!r}: the flight recorder needs a positive number of entries")
@@ -60,9 +60,15 @@ def configure_flight_recorder(
         "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
         "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": str(Path(dump_dir) / DUMP_PREFIX),
     }
-    applied = {key: value for key, value in wanted.items() if key not in env}
+    applied = {
+        key: value for key, value in wanted.items() if key not in env and _NEWER_NAMES.get(key) not in env
+    }
     env.update(applied)
     return applied
+
+
+_NEWER_NAMES = {"TORCH_NCCL_TRACE_BUFFER_SIZE": "TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": "TORCH_FR_DUMP_TEMP_FILE"}
+"""The recorder's backend-neutral names of newer torch: set by the user, they count as the user's setting."""
 
 
 class _PlainUnpickler(pickle.Unpickler):

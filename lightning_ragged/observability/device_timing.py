@@ -50,7 +50,26 @@ def device_event_factory(device: torch.device | None) -> EventFactory | None:
     """Timing events of an accelerator ``device`` (CUDA first), or None on CPU (wall-clock times are device times)."""
     if not has_streams(device):
         return None
-    return lambda: torch.Event(device=device, enable_timing=True)
+    device = torch.device(device)
+    return lambda: _DeviceEvent(device)
+
+
+class _DeviceEvent:
+    """A timing ``torch.Event`` recorded by default on ``device``'s current stream: ``torch.Event.record()``
+    takes the current device's, which fails for a model on another device (no ``set_device`` in the script)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.event = torch.Event(device=device, enable_timing=True)
+
+    def record(self, stream: Any = None) -> None:
+        self.event.record(stream if stream is not None else torch.accelerator.current_stream(self.device))
+
+    def query(self) -> bool:
+        return self.event.query()
+
+    def elapsed_time(self, end: "_DeviceEvent") -> float:
+        return self.event.elapsed_time(end.event)
 
 
 class CollectiveTimer:

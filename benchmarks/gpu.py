@@ -20,21 +20,27 @@ machine with at least one CUDA device; it plans to finish in under 8 minutes on 
     are fake-quantized per tile before each forward (``tests/test_fp8_gather.py``'s oracle): pass when
     every weight gathered before training equals the oracle bit for bit and the parameters after
     training are within ``FP8_TOLERANCE``. A sanitizer report fails its case (its error is the
-    verdict). The sanitizer sees a collective as a read of its tensors (c10d schemas mark no
-    writes), so it checks the kernels around the collectives (casts, quantize, dequantize, the
-    optimizer, gradients) but not a read of a gathered buffer before its wait; ``tests/test_streams.py``
-    checks that order on CPU. On CPU (``--dry-run``) the cases run without the sanitizer.
+    verdict, with the sanitizer's first reports). The sanitizer sees a collective read its inputs and write
+    the tensors it returns (the c10d ops return their outputs), on the stream it was issued on, so it checks
+    the kernels around the collectives (casts, quantize, dequantize, the optimizer, gradients) and a read of
+    a gathered buffer before its wait; ``tests/test_streams.py`` checks the same order on CPU. Both cases run
+    with ``torch.use_deterministic_algorithms(True, warn_only=True)`` (the bitwise verdict must not depend on
+    a non-deterministic kernel). On CPU (``--dry-run``) the cases run without the sanitizer.
 (b) **step time and memory**: ragged vs FSDP2 vs DDP on a ~1.1B-parameter Llama built from a
     transformers ``LlamaConfig`` (random init, nothing downloaded), bf16 compute with fp32
     master weights (DDP: fp32 weights under bf16 autocast), fused AdamW, one process per GPU.
-    One variant is alive at a time (built fresh each round, so its memory is its own); rounds
-    rotate the order. Reported: median step time with the spread, ``torch.cuda.max_memory_allocated``
+    One variant is alive at a time (built fresh each round, so its memory is its own; the memory
+    allocated before each build is reported); rounds rotate the order. On one GPU this is world 1:
+    ragged takes its single-rank path (no collective), FSDP2 and DDP still run theirs, so the
+    comparison is each framework's overhead on one device, not sharding or overlap. Reported: median step time with the spread, ``torch.cuda.max_memory_allocated``
     and ``max_memory_reserved`` over the timed steps.
 (c) **copies and collectives** of one forward+backward of each variant (and of the plain model):
     bytes written by copy-like operators (``CopyCounter``) and collectives (``CommDebugMode``).
 
 It writes the ``gpu`` section of ``benchmarks/RESULTS.md`` (``report.write_section``) and,
-with ``--out DIR``, ``gpu.md`` and ``gpu.json`` there. Without a CUDA device it stops at once
+with ``--out DIR``, ``gpu.md`` and ``gpu.json`` there, rewritten after every phase; each process
+saves its results after every case and variant, so a phase killed at its limit, or a variant that
+raised, still leaves what finished. Without a CUDA device it stops at once
 (exit 2). ``--dry-run`` runs the same code on CPU with gloo and tiny models, end to end,
 and writes nowhere but ``--out``.
 """
@@ -109,22 +115,39 @@ def _launch(
             else:
                 os.environ[name] = value
     deadline = time.monotonic() + limit_s
+    error = None
     try:
         while not context.join(timeout=2):
             if time.monotonic() > deadline:
                 for process in context.processes:
                     process.kill()
-                return None, f"killed after {limit_s:.0f} s"
-        return torch.load(out, weights_only=False), None
-    except mp.ProcessRaisedException as error:
-        lines = [line for line in str(error).splitlines() if line.strip()]
-        return None, lines[-1][:300] if lines else "raised"
-    except mp.ProcessExitedException as error:
-        return None, str(error)[:300]
+                error = f"killed after {limit_s:.0f} s"
+                break
+    except mp.ProcessRaisedException as raised:
+        lines = [line for line in str(raised).splitlines() if line.strip()]
+        error = lines[-1][:300] if lines else "raised"
+    except mp.ProcessExitedException as exited:
+        error = str(exited)[:300]
+    try:
+        return _load_partial(out), error
     finally:
         for path in (out, init_file):
             if os.path.exists(path):
                 os.remove(path)
+
+
+def _load_partial(out: str) -> dict | None:
+    """What rank 0 saved last (:func:`_save`), or None: nothing saved, or a file a kill cut short."""
+    try:
+        return torch.load(out, weights_only=False) if os.path.getsize(out) else None
+    except Exception:  # noqa: BLE001 - a partial result is optional
+        return None
+
+
+def _save(obj: Any, out: str) -> None:
+    """Rank 0's results so far, replaced in one rename (a kill leaves the previous save whole)."""
+    torch.save(obj, out + ".tmp")
+    os.replace(out + ".tmp", out)
 
 
 def _init(rank: int, world: int, init_file: str, payload: dict) -> torch.device:
@@ -135,13 +158,19 @@ def _init(rank: int, world: int, init_file: str, payload: dict) -> torch.device:
         device = torch.device("cpu")
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     bind = {"device_id": device} if payload["backend"] == "nccl" else {}
+    # shorter than the phase's limit: a rank left waiting by a peer's failed case raises before the kill
     dist.init_process_group(payload["backend"], init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=120), **bind)
+                            timeout=timedelta(seconds=payload.get("pg_timeout_s", 120)), **bind)
     return device
 
 
 def _first_line(error: BaseException) -> str:
-    return f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0][:240]}"
+    """The error's type and first line; a CUDA sanitizer report (``str`` says only how many) with its first two."""
+    text = f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0][:240]}"
+    reports = getattr(error, "errors", None)
+    if isinstance(reports, list):
+        text += "".join(" | " + " ".join(str(report).split())[:600] for report in reports[:2])
+    return text
 
 
 # --------------------------------------------------------------------------- (a) parity
@@ -149,6 +178,8 @@ def parity_worker(rank: int, world: int, init_file: str, payload: dict, out: str
     device = _init(rank, world, init_file, payload)
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
+    if payload.get("deterministic"):
+        torch.use_deterministic_algorithms(True, warn_only=True)
     cfg = GPTConfig(**payload["gpt"])
     data = make_batches(payload["steps"], payload["batch"] * world, cfg).to(device)
     cases = {}
@@ -157,8 +188,10 @@ def parity_worker(rank: int, world: int, init_file: str, payload: dict, out: str
             cases[case] = _parity_case(case, cfg, data, rank, world, device, payload["fp8_tile"])
         except Exception as error:  # noqa: BLE001 - per case (a collective gloo lacks, a sanitizer report)
             cases[case] = {"error": _first_line(error)}
-    if rank == 0:
-        torch.save({"cases": cases}, out)
+        if rank == 0:
+            _save({"cases": cases}, out)
+        if "error" in cases[case]:
+            break  # its peers may be inside a collective it left: the next case would not pair up
     dist.destroy_process_group()
 
 
@@ -343,48 +376,36 @@ def bench_worker(rank: int, world: int, init_file: str, payload: dict, out: str)
     from transformers import LlamaConfig, LlamaForCausalLM
 
     device = _init(rank, world, init_file, payload)
-    deadline = time.monotonic() + payload["budget_s"]
+    deadline = payload["deadline"]  # wall clock, set by the launcher: this process's start-up counts against it
     config = LlamaConfig(**payload["llama"], use_cache=False)
     with torch.device("meta"):
         params = sum(p.numel() for p in LlamaForCausalLM(config).parameters())
     generator = torch.Generator().manual_seed(1 + rank)
     tokens = torch.randint(0, config.vocab_size, (payload["batch"], payload["seq"] + 1), generator=generator).to(device)
-    cuda = device.type == "cuda"
-    rows = {v: {"times": [], "max_allocated": 0, "max_reserved": 0, "build_s": []} for v in VARIANTS}
+    rows = {v: {"times": [], "max_allocated": 0, "max_reserved": 0, "build_s": [], "allocated_before": []}
+            for v in VARIANTS}
     counts: dict[str, Any] = {}
     notes: list[str] = []
+    result = {"rows": rows, "counts": counts, "notes": notes, "params": params}
     round_s = 0.0
     for round_index in range(payload["rounds"]):
-        if round_index and time.monotonic() + round_s > deadline:
+        if round_index and time.time() + round_s > deadline:
             notes.append(f"stopped after {round_index} rounds: the next would pass the time budget")
             break
-        started = time.monotonic()
+        started = time.time()
         order = VARIANTS[round_index % 3 :] + VARIANTS[: round_index % 3]
         for variant in order:
-            built = time.perf_counter()
-            model, optimizer = _build(variant, config, device)
-            rows[variant]["build_s"].append(time.perf_counter() - built)
-            for _ in range(payload["warmup"]):
-                _step(variant, model, optimizer, tokens)
-            _sync(device)
-            if cuda:
-                torch.cuda.reset_peak_memory_stats(device)
-            dist.barrier()
-            timed = time.perf_counter()
-            for _ in range(payload["steps"]):
-                _step(variant, model, optimizer, tokens)
-            _sync(device)
-            rows[variant]["times"].append((time.perf_counter() - timed) / payload["steps"])
-            if cuda:
-                row = rows[variant]
-                row["max_allocated"] = max(row["max_allocated"], torch.cuda.max_memory_allocated(device))
-                row["max_reserved"] = max(row["max_reserved"], torch.cuda.max_memory_reserved(device))
-            if round_index == 0:
-                counts[variant] = _count(variant, model, optimizer, tokens)
-            del model, optimizer
+            if "error" in rows[variant]:
+                continue
+            try:
+                _bench_variant(variant, config, device, tokens, payload, rows[variant], counts, round_index == 0)
+            except Exception as error:  # noqa: BLE001 - one variant's failure (OOM, an API) keeps the others' rows
+                rows[variant]["error"] = _first_line(error)
             _free(device)
-        round_s = time.monotonic() - started
-    if time.monotonic() + round_s / 3 < deadline:
+            if rank == 0:
+                _save(result, out)
+        round_s = time.time() - started
+    if time.time() + round_s / 3 < deadline:
         model, optimizer = _build("local", config, device)
         _step("local", model, optimizer, tokens)
         counts["local"] = _count("local", model, optimizer, tokens)
@@ -393,26 +414,69 @@ def bench_worker(rank: int, world: int, init_file: str, payload: dict, out: str)
     else:
         notes.append("plain-model copy count skipped: time budget")
     if rank == 0:
-        torch.save({"rows": rows, "counts": counts, "notes": notes, "params": params}, out)
+        _save(result, out)
     dist.destroy_process_group()
 
 
+def _bench_variant(
+    variant: str, config: Any, device: torch.device, tokens: torch.Tensor, payload: dict, row: dict,
+    counts: dict, count: bool,
+) -> None:
+    """One round of ``variant``: build it fresh, warm up, time ``steps`` steps, its peak memory (and counts)."""
+    cuda = device.type == "cuda"
+    if cuda:
+        row["allocated_before"].append(torch.cuda.memory_allocated(device))  # what earlier variants left behind
+    built = time.perf_counter()
+    model, optimizer = _build(variant, config, device)
+    row["build_s"].append(time.perf_counter() - built)
+    for _ in range(payload["warmup"]):
+        _step(variant, model, optimizer, tokens)
+    _sync(device)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+    dist.barrier()
+    timed = time.perf_counter()
+    for _ in range(payload["steps"]):
+        _step(variant, model, optimizer, tokens)
+    _sync(device)
+    row["times"].append((time.perf_counter() - timed) / payload["steps"])
+    if cuda:
+        row["max_allocated"] = max(row["max_allocated"], torch.cuda.max_memory_allocated(device))
+        row["max_reserved"] = max(row["max_reserved"], torch.cuda.max_memory_reserved(device))
+    if count:
+        counts[variant] = _count(variant, model, optimizer, tokens)
+
+
 # --------------------------------------------------------------------------- driving and report
-def run(args: argparse.Namespace) -> dict:
+def run(args: argparse.Namespace, progress: Callable[[dict], None] = lambda result: None) -> dict:
+    """Every phase in turn; ``progress(result)`` after each, with what is known so far."""
     started = time.monotonic()
     dry = args.dry_run
     device = "cpu" if dry else "cuda"
     gpus = 0 if dry else torch.cuda.device_count()
     gpt = GPT_TINY if dry else GPT_PARITY
     common = {"device": device, "gpt": gpt, "batch": 4, "cases": PARITY_CASES, "steps": PARITY_STEPS,
-              "fp8_tile": 8 if dry else 128}
-    parity: list[dict] = []
+              "fp8_tile": 8 if dry else 128, "pg_timeout_s": 30}
+    world = 1 if dry else max(1, gpus)
+    meta = {
+        "dry_run": dry, "world": world, "torch": torch.__version__, "cuda": torch.version.cuda,
+        "python": platform.python_version(), "wall_s": 0.0,
+        "device_name": torch.cuda.get_device_name(0) if gpus else platform.processor() or platform.machine(),
+        "nccl": ".".join(map(str, torch.cuda.nccl.version())) if gpus else None, "payload": None,
+    }
+    result = {"meta": meta, "parity": [], "bench": None, "bench_error": "not run yet"}
+
+    def report() -> None:
+        meta["wall_s"] = time.monotonic() - started
+        progress(result)
 
     def parity_run(world: int, backend: str, why: str, limit_s: float = args.phase_limit_s, **extra: Any) -> str | None:
         env = extra.pop("env", None)
-        result, error = _launch(parity_worker, world, {**common, "backend": backend, **extra}, limit_s, env)
-        parity.append({"world": world, "backend": backend, "why": why, "error": error,
-                       "cases": result["cases"] if result else {}})
+        payload = {**common, "backend": backend, **extra}
+        outcome, error = _launch(parity_worker, world, payload, limit_s, env)
+        result["parity"].append({"world": world, "backend": backend, "why": why, "error": error,
+                                 "expected": list(payload["cases"]), "cases": outcome["cases"] if outcome else {}})
+        report()
         return error
 
     parity_run(1, "gloo" if dry else "nccl", "one process")
@@ -424,23 +488,18 @@ def run(args: argparse.Namespace) -> dict:
         parity_run(2, "gloo", "NCCL refused two ranks on one GPU: gloo on CUDA tensors")
     sanitized = ("(a') keep_cast_shard, fp8: no sanitizer on CPU" if dry
                  else "(a') keep_cast_shard, fp8 under TORCH_CUDA_SANITIZER=1")
-    parity_run(2, parity[-1]["backend"], sanitized, cases=SANITIZED_CASES, steps=SANITIZED_STEPS,
-               env=None if dry else {"TORCH_CUDA_SANITIZER": "1"})
-    world = 1 if dry else max(1, gpus)
+    parity_run(2, result["parity"][-1]["backend"], sanitized, cases=SANITIZED_CASES, steps=SANITIZED_STEPS,
+               deterministic=True, env=None if dry else {"TORCH_CUDA_SANITIZER": "1"})
     budget = max(30.0, args.budget_s - (time.monotonic() - started))
-    payload = {
-        "device": device, "backend": "gloo" if dry else "nccl", "budget_s": budget,
+    payload = meta["payload"] = {
+        "device": device, "backend": "gloo" if dry else "nccl", "world": world, "budget_s": budget,
+        "deadline": time.time() + budget,
         "llama": LLAMA_TINY if dry else LLAMA_1B, "batch": 2 if dry else args.batch, "seq": 32 if dry else args.seq,
         "rounds": 2 if dry else args.rounds, "steps": 2 if dry else args.steps, "warmup": 1 if dry else 2,
     }
-    bench, error = _launch(bench_worker, world, payload, limit_s=budget + 45)
-    meta = {
-        "dry_run": dry, "world": world, "torch": torch.__version__, "cuda": torch.version.cuda,
-        "python": platform.python_version(), "wall_s": time.monotonic() - started,
-        "device_name": torch.cuda.get_device_name(0) if gpus else platform.processor() or platform.machine(),
-        "nccl": ".".join(map(str, torch.cuda.nccl.version())) if gpus else None, "payload": payload,
-    }
-    return {"meta": meta, "parity": parity, "bench": bench, "bench_error": error}
+    result["bench"], result["bench_error"] = _launch(bench_worker, world, payload, limit_s=budget + 45)
+    report()
+    return result
 
 
 def _gib(n: int) -> str:
@@ -486,17 +545,26 @@ def _parity_lines(parity: list[dict]) -> list[str]:
             else:
                 verdict = _verdict(case, outcome, run_["cases"])
                 lines.append(f"{where} {case} | {outcome['max_diff']:.2e} | {verdict} |")
+        for case in run_["expected"]:
+            if case not in run_["cases"]:
+                lines.append(f"{where} {case} | - | not run (an earlier case failed, or the phase ended first) |")
     return lines
 
 
 def _bench_lines(bench: dict, payload: dict) -> list[str]:
     rows, counts = bench["rows"], bench["counts"]
     median = {v: statistics.median(rows[v]["times"]) if rows[v]["times"] else 0.0 for v in VARIANTS}
+    rounds = max(len(rows[v]["times"]) for v in VARIANTS)
+    left = max((n for v in VARIANTS for n in rows[v]["allocated_before"]), default=0)
     lines = [
         "",
-        f"{bench['params']:,} parameters; {len(rows['ragged']['times'])} rounds rotating the order, each variant "
-        f"built fresh per round (alone in memory), {payload['warmup']} warm-up + {payload['steps']} timed steps; "
-        "memory is the peak over the timed steps.",
+        f"{bench['params']:,} parameters; {rounds} rounds rotating the order, each variant "
+        "built fresh per round (alone in memory"
+        + (f": at most {_gib(left)} allocated before a build" if payload["device"] == "cuda" else "") + "), "
+        f"{payload['warmup']} warm-up + {payload['steps']} timed steps; memory is the peak over the timed steps."
+        + (" World 1: ragged runs its single-rank path (no collective), FSDP2 and DDP their collectives, "
+           "so this compares each framework's overhead on one device, not sharding or overlap."
+           if payload["world"] == 1 else ""),
         "",
         "| variant | median step | spread | vs FSDP2 | vs DDP | max allocated | vs FSDP2 | max reserved | vs FSDP2 |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
@@ -506,7 +574,7 @@ def _bench_lines(bench: dict, payload: dict) -> list[str]:
         r, times = rows[v], rows[v]["times"]
         spread = f"{min(times) * 1e3:.1f}-{max(times) * 1e3:.1f} ms" if times else "-"
         lines.append(
-            f"| {v} | {median[v] * 1e3:.1f} ms | {spread} | {_ratio(median[v], median['fsdp2'])} "
+            f"| {v} | {f'{median[v] * 1e3:.1f} ms' if times else '-'} | {spread} | {_ratio(median[v], median['fsdp2'])} "
             f"| {_ratio(median[v], median['ddp'])} | {_gib(r['max_allocated'])} "
             f"| {_ratio(r['max_allocated'], fsdp2['max_allocated'])} | {_gib(r['max_reserved'])} "
             f"| {_ratio(r['max_reserved'], fsdp2['max_reserved'])} |"
@@ -530,7 +598,8 @@ def _bench_lines(bench: dict, payload: dict) -> list[str]:
             f"Ragged engine, one step: {s['all_gathers']} all-gathers ({s['all_gather_bytes'] / 2**20:,.1f} MiB), "
             f"{s['reduces']} reductions ({s['reduce_bytes'] / 2**20:,.1f} MiB).",
         ]
-    return lines + [f"- {note}" for note in bench["notes"]]
+    errors = [f"{v} failed: `{rows[v]['error']}`" for v in VARIANTS if "error" in rows[v]]
+    return lines + [f"- {note}" for note in bench["notes"] + errors]
 
 
 def render(result: dict) -> str:
@@ -545,12 +614,13 @@ def render(result: dict) -> str:
         "",
         *_parity_lines(result["parity"]),
         "",
-        f"### (b) Llama from config: bf16 compute / fp32 master, fused AdamW, "
-        f"batch {payload['batch']} x seq {payload['seq']} per rank",
+        "### (b) Llama from config: bf16 compute / fp32 master, fused AdamW"
+        + (f", batch {payload['batch']} x seq {payload['seq']} per rank" if payload else ""),
     ]
     if result["bench"] is None:
         return "\n".join(lines + ["", f"Not measured: `{result['bench_error']}`."])
-    return "\n".join(lines + _bench_lines(result["bench"], payload))
+    stopped = [f"- the bench process ended early: `{result['bench_error']}`"] if result["bench_error"] else []
+    return "\n".join(lines + _bench_lines(result["bench"], payload) + stopped)
 
 
 def main() -> None:
@@ -567,13 +637,15 @@ def main() -> None:
     if not args.dry_run and not torch.cuda.is_available():
         print(NO_CUDA, file=sys.stderr)
         raise SystemExit(2)
-    result = run(args)
+    def write_out(result: dict) -> None:  # after every phase: a run cut short still leaves its results
+        if args.out is not None:
+            args.out.mkdir(parents=True, exist_ok=True)
+            (args.out / "gpu.md").write_text(render(result) + "\n")
+            (args.out / "gpu.json").write_text(json.dumps(result, indent=1, default=str))
+
+    result = run(args, write_out)
     markdown = render(result)
     print(markdown)
-    if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "gpu.md").write_text(markdown + "\n")
-        (args.out / "gpu.json").write_text(json.dumps(result, indent=1, default=str))
     if not args.dry_run:
         write_section("gpu", markdown, ROOT / "benchmarks" / "RESULTS.md")
 

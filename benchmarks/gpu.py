@@ -465,13 +465,14 @@ def run(args: argparse.Namespace, progress: Callable[[dict], None] = lambda resu
         "nccl": ".".join(map(str, torch.cuda.nccl.version())) if gpus else None, "payload": None,
     }
     result = {"meta": meta, "parity": [], "bench": None, "bench_error": "not run yet"}
+    nccl_env = {} if dry or "NCCL_DEBUG" in os.environ else {"NCCL_DEBUG": "WARN"}  # why an NCCL init failed
 
     def report() -> None:
         meta["wall_s"] = time.monotonic() - started
         progress(result)
 
     def parity_run(world: int, backend: str, why: str, limit_s: float = args.phase_limit_s, **extra: Any) -> str | None:
-        env = extra.pop("env", None)
+        env = {**nccl_env, **extra.pop("env", {})}
         payload = {**common, "backend": backend, **extra}
         outcome, error = _launch(parity_worker, world, payload, limit_s, env)
         result["parity"].append({"world": world, "backend": backend, "why": why, "error": error,
@@ -489,7 +490,7 @@ def run(args: argparse.Namespace, progress: Callable[[dict], None] = lambda resu
     sanitized = ("(a') keep_cast_shard, fp8: no sanitizer on CPU" if dry
                  else "(a') keep_cast_shard, fp8 under TORCH_CUDA_SANITIZER=1")
     parity_run(2, result["parity"][-1]["backend"], sanitized, cases=SANITIZED_CASES, steps=SANITIZED_STEPS,
-               deterministic=True, env=None if dry else {"TORCH_CUDA_SANITIZER": "1"})
+               deterministic=True, env={} if dry else {"TORCH_CUDA_SANITIZER": "1"})
     budget = max(30.0, args.budget_s - (time.monotonic() - started))
     payload = meta["payload"] = {
         "device": device, "backend": "gloo" if dry else "nccl", "world": world, "budget_s": budget,
@@ -497,7 +498,7 @@ def run(args: argparse.Namespace, progress: Callable[[dict], None] = lambda resu
         "llama": LLAMA_TINY if dry else LLAMA_1B, "batch": 2 if dry else args.batch, "seq": 32 if dry else args.seq,
         "rounds": 2 if dry else args.rounds, "steps": 2 if dry else args.steps, "warmup": 1 if dry else 2,
     }
-    result["bench"], result["bench_error"] = _launch(bench_worker, world, payload, limit_s=budget + 45)
+    result["bench"], result["bench_error"] = _launch(bench_worker, world, payload, budget + 45, nccl_env)
     report()
     return result
 

@@ -242,6 +242,18 @@ def test_flight_recorder_loader_executes_nothing(tmp_path):
         flight_recorder.load_dump(bad)
 
 
+def test_configure_flight_recorder_on_the_process_environment(tmp_path, monkeypatch):
+    """The strategy's call: ``os.environ`` itself (a mapping that refuses non-string keys)."""
+    from lightning_ragged.observability import flight_recorder
+
+    names = ["TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_NCCL_DUMP_ON_TIMEOUT", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE",
+             "TORCH_FR_BUFFER_SIZE", "TORCH_FR_DUMP_TEMP_FILE"]
+    for name in names:
+        monkeypatch.delenv(name, raising=False)
+    applied = flight_recorder.configure_flight_recorder("nccl", tmp_path / "fr")
+    assert sorted(applied) == sorted(names[:3]) and all(os.environ[name] == applied[name] for name in applied)
+
+
 def test_configure_flight_recorder_sets_only_what_the_user_did_not(tmp_path):
     from lightning_ragged.observability import flight_recorder
 
@@ -251,8 +263,8 @@ def test_configure_flight_recorder_sets_only_what_the_user_did_not(tmp_path):
     assert env["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
     assert env["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] == str(tmp_path / "fr" / "nccl_trace_rank_")
     assert (tmp_path / "fr").is_dir()
-    newer = {"TORCH_FR_DUMP_TEMP_FILE": "/elsewhere/trace_"}  # torch's backend-neutral name, set by the user
-    assert "TORCH_NCCL_DEBUG_INFO_TEMP_FILE" not in flight_recorder.configure_flight_recorder("nccl", tmp_path, environ=newer)
+    newer = {"TORCH_FR_DUMP_TEMP_FILE": "/elsewhere/trace_", "TORCH_FR_BUFFER_SIZE": "5"}  # torch's newer names
+    assert list(flight_recorder.configure_flight_recorder("nccl", tmp_path, environ=newer)) == ["TORCH_NCCL_DUMP_ON_TIMEOUT"]
     assert flight_recorder.configure_flight_recorder("gloo", tmp_path, environ={}) == {}
     applied = flight_recorder.configure_flight_recorder("cpu:gloo,cuda:nccl", tmp_path, 10, environ={})
     assert applied["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "10"

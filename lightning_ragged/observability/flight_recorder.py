@@ -61,7 +61,7 @@ def configure_flight_recorder(
         "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": str(Path(dump_dir) / DUMP_PREFIX),
     }
     applied = {
-        key: value for key, value in wanted.items() if key not in env and _NEWER_NAMES.get(key) not in env
+        key: value for key, value in wanted.items() if key not in env and _NEWER_NAMES.get(key, key) not in env
     }
     env.update(applied)
     return applied

@@ -24,23 +24,23 @@ machine with at least one CUDA device; it plans to finish in under 8 minutes on 
     the tensors it returns (the c10d ops return their outputs), on the stream it was issued on, so it checks
     the kernels around the collectives (casts, quantize, dequantize, the optimizer, gradients) and a read of
     a gathered buffer before its wait; ``tests/test_streams.py`` checks the same order on CPU. Both cases run
-    with ``torch.use_deterministic_algorithms(True, warn_only=True)`` (the bitwise verdict must not depend on
-    a non-deterministic kernel). On CPU (``--dry-run``) the cases run without the sanitizer.
+    with ``torch.use_deterministic_algorithms(True, warn_only=True)`` and ``CUBLAS_WORKSPACE_CONFIG=:4096:8``
+    (the bitwise verdict must not depend on a non-deterministic kernel). On CPU (``--dry-run``) the cases run without the sanitizer.
 (b) **step time and memory**: ragged vs FSDP2 vs DDP on a ~1.1B-parameter Llama built from a
     transformers ``LlamaConfig`` (random init, nothing downloaded), bf16 compute with fp32
     master weights (DDP: fp32 weights under bf16 autocast), fused AdamW, one process per GPU.
     One variant is alive at a time (built fresh each round, so its memory is its own; the memory
     allocated before each build is reported); rounds rotate the order. On one GPU this is world 1:
-    ragged takes its single-rank path (no collective), FSDP2 and DDP still run theirs, so the
-    comparison is each framework's overhead on one device, not sharding or overlap. Reported: median step time with the spread, ``torch.cuda.max_memory_allocated``
+    ragged takes its single-rank path and FSDP2 skips its collectives too, DDP still all-reduces, so
+    the comparison is each framework's overhead on one device, not sharding or overlap. Reported: median step time with the spread, ``torch.cuda.max_memory_allocated``
     and ``max_memory_reserved`` over the timed steps.
 (c) **copies and collectives** of one forward+backward of each variant (and of the plain model):
     bytes written by copy-like operators (``CopyCounter``) and collectives (``CommDebugMode``).
 
 It writes the ``gpu`` section of ``benchmarks/RESULTS.md`` (``report.write_section``) and,
-with ``--out DIR``, ``gpu.md`` and ``gpu.json`` there, rewritten after every phase; each process
+with ``--out DIR``, ``gpu.md`` and ``gpu.json`` there, rewritten after every phase; every rank
 saves its results after every case and variant, so a phase killed at its limit, or a variant that
-raised, still leaves what finished. Without a CUDA device it stops at once
+raised, still leaves what finished (a case that failed on any rank is reported as that rank's error). Without a CUDA device it stops at once
 (exit 2). ``--dry-run`` runs the same code on CPU with gloo and tiny models, end to end,
 and writes nowhere but ``--out``.
 """
@@ -96,7 +96,10 @@ NO_CUDA = ("benchmarks/gpu.py: no CUDA device (torch.cuda.is_available() is Fals
 def _launch(
     fn: Callable, world: int, payload: dict, limit_s: float, env: dict[str, str] | None = None
 ) -> tuple[dict | None, str | None]:
-    """Run ``fn(rank, world, init_file, payload, out)`` on ``world`` fresh processes; (rank 0's result, error).
+    """Run ``fn(rank, world, init_file, payload, out)`` on ``world`` fresh processes; (each rank's result, error).
+
+    A result is what that rank saved last (:func:`_save`), None where it saved nothing; the error says why
+    the processes ended early (killed at ``limit_s``, raised, exited), None when they finished.
 
     ``env``: variables the processes start with (read when they import torch), this process's restored after.
     """
@@ -129,25 +132,25 @@ def _launch(
     except mp.ProcessExitedException as exited:
         error = str(exited)[:300]
     try:
-        return _load_partial(out), error
+        return [_load_partial(f"{out}.{rank}") for rank in range(world)], error
     finally:
-        for path in (out, init_file):
+        for path in (out, init_file, *(f"{out}.{rank}{tmp}" for rank in range(world) for tmp in ("", ".tmp"))):
             if os.path.exists(path):
                 os.remove(path)
 
 
-def _load_partial(out: str) -> dict | None:
-    """What rank 0 saved last (:func:`_save`), or None: nothing saved, or a file a kill cut short."""
+def _load_partial(path: str) -> dict | None:
+    """What a rank saved last (:func:`_save`), or None: nothing saved."""
     try:
-        return torch.load(out, weights_only=False) if os.path.getsize(out) else None
+        return torch.load(path, weights_only=False)
     except Exception:  # noqa: BLE001 - a partial result is optional
         return None
 
 
-def _save(obj: Any, out: str) -> None:
-    """Rank 0's results so far, replaced in one rename (a kill leaves the previous save whole)."""
-    torch.save(obj, out + ".tmp")
-    os.replace(out + ".tmp", out)
+def _save(obj: Any, out: str, rank: int) -> None:
+    """This rank's results so far, replaced in one rename (a kill leaves the previous save whole)."""
+    torch.save(obj, f"{out}.{rank}.tmp")
+    os.replace(f"{out}.{rank}.tmp", f"{out}.{rank}")
 
 
 def _init(rank: int, world: int, init_file: str, payload: dict) -> torch.device:
@@ -188,8 +191,7 @@ def parity_worker(rank: int, world: int, init_file: str, payload: dict, out: str
             cases[case] = _parity_case(case, cfg, data, rank, world, device, payload["fp8_tile"])
         except Exception as error:  # noqa: BLE001 - per case (a collective gloo lacks, a sanitizer report)
             cases[case] = {"error": _first_line(error)}
-        if rank == 0:
-            _save({"cases": cases}, out)
+        _save({"cases": cases}, out, rank)  # every rank: a case can fail on one rank only (a sanitizer report)
         if "error" in cases[case]:
             break  # its peers may be inside a collective it left: the next case would not pair up
     dist.destroy_process_group()
@@ -402,8 +404,7 @@ def bench_worker(rank: int, world: int, init_file: str, payload: dict, out: str)
             except Exception as error:  # noqa: BLE001 - one variant's failure (OOM, an API) keeps the others' rows
                 rows[variant]["error"] = _first_line(error)
             _free(device)
-            if rank == 0:
-                _save(result, out)
+            _save(result, out, rank)
         round_s = time.time() - started
     if time.time() + round_s / 3 < deadline:
         model, optimizer = _build("local", config, device)
@@ -413,8 +414,7 @@ def bench_worker(rank: int, world: int, init_file: str, payload: dict, out: str)
         _free(device)
     else:
         notes.append("plain-model copy count skipped: time budget")
-    if rank == 0:
-        _save(result, out)
+    _save(result, out, rank)
     dist.destroy_process_group()
 
 
@@ -474,9 +474,9 @@ def run(args: argparse.Namespace, progress: Callable[[dict], None] = lambda resu
     def parity_run(world: int, backend: str, why: str, limit_s: float = args.phase_limit_s, **extra: Any) -> str | None:
         env = {**nccl_env, **extra.pop("env", {})}
         payload = {**common, "backend": backend, **extra}
-        outcome, error = _launch(parity_worker, world, payload, limit_s, env)
+        ranks, error = _launch(parity_worker, world, payload, limit_s, env)
         result["parity"].append({"world": world, "backend": backend, "why": why, "error": error,
-                                 "expected": list(payload["cases"]), "cases": outcome["cases"] if outcome else {}})
+                                 "expected": list(payload["cases"]), "cases": _merge_cases(ranks)})
         report()
         return error
 
@@ -490,7 +490,7 @@ def run(args: argparse.Namespace, progress: Callable[[dict], None] = lambda resu
     sanitized = ("(a') keep_cast_shard, fp8: no sanitizer on CPU" if dry
                  else "(a') keep_cast_shard, fp8 under TORCH_CUDA_SANITIZER=1")
     parity_run(2, result["parity"][-1]["backend"], sanitized, cases=SANITIZED_CASES, steps=SANITIZED_STEPS,
-               deterministic=True, env={} if dry else {"TORCH_CUDA_SANITIZER": "1"})
+               deterministic=True, env={} if dry else {"TORCH_CUDA_SANITIZER": "1", "CUBLAS_WORKSPACE_CONFIG": ":4096:8"})
     budget = max(30.0, args.budget_s - (time.monotonic() - started))
     payload = meta["payload"] = {
         "device": device, "backend": "gloo" if dry else "nccl", "world": world, "budget_s": budget,
@@ -498,9 +498,23 @@ def run(args: argparse.Namespace, progress: Callable[[dict], None] = lambda resu
         "llama": LLAMA_TINY if dry else LLAMA_1B, "batch": 2 if dry else args.batch, "seq": 32 if dry else args.seq,
         "rounds": 2 if dry else args.rounds, "steps": 2 if dry else args.steps, "warmup": 1 if dry else 2,
     }
-    result["bench"], result["bench_error"] = _launch(bench_worker, world, payload, budget + 45, nccl_env)
+    ranks, result["bench_error"] = _launch(bench_worker, world, payload, budget + 45, nccl_env)
+    result["bench"] = ranks[0]  # rank 0's timings and memory (every rank runs the same steps)
     report()
     return result
+
+
+def _merge_cases(ranks: list[dict | None]) -> dict:
+    """Rank 0's parity outcome per case (its difference is every rank's: the full parameters), unless ranks
+    reported errors there (all of them: one rank's failure makes its peers' collectives fail too)."""
+    saved = [r["cases"] for r in ranks if r is not None]
+    cases: dict = {}
+    for case in (saved[0] if saved else {}):
+        outcomes = [(rank, r.get(case)) for rank, r in enumerate(saved)]
+        failed = [(rank, o) for rank, o in outcomes if o is not None and "error" in o]
+        errors = "; ".join(f"rank {rank}: {outcome['error'][:300]}" for rank, outcome in failed)
+        cases[case] = {"error": errors} if failed else saved[0][case]
+    return cases
 
 
 def _gib(n: int) -> str:
@@ -561,9 +575,10 @@ def _bench_lines(bench: dict, payload: dict) -> list[str]:
         "",
         f"{bench['params']:,} parameters; {rounds} rounds rotating the order, each variant "
         "built fresh per round (alone in memory"
-        + (f": at most {_gib(left)} allocated before a build" if payload["device"] == "cuda" else "") + "), "
+        + (f": at most {_gib(left) if left else '0 GiB'} allocated before a build" if payload["device"] == "cuda" else "")
+        + "), "
         f"{payload['warmup']} warm-up + {payload['steps']} timed steps; memory is the peak over the timed steps."
-        + (" World 1: ragged runs its single-rank path (no collective), FSDP2 and DDP their collectives, "
+        + (" World 1: ragged and FSDP2 skip their collectives, DDP runs its all-reduce, "
            "so this compares each framework's overhead on one device, not sharding or overlap."
            if payload["world"] == 1 else ""),
         "",

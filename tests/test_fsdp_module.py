@@ -315,6 +315,31 @@ def check_unused_prefetch_waited() -> dict:
     return {"pending": [g.name for g in state.all_groups if g.unshard_pending], "first_full": first.is_unsharded}
 
 
+class _SecondBlockIdle(nn.Module):
+    """Two blocks, only the first runs: the second is sharded but never used."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList(TinyBlock() for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.blocks[0](x)
+
+
+def check_unrun_prefetch_waited() -> dict:
+    """A group prefetched in forward that never runs (no forward call, no backward), full parameters kept."""
+    model = lr.fully_shard(_SecondBlockIdle())
+    model.blocks[0].set_modules_to_forward_prefetch([model.blocks[1]])
+    model.set_reshard_after_backward(False)
+    state = lr.get_state(model)
+    generator = torch.Generator().manual_seed(dist.get_rank())
+    model(torch.randn(2, 6, 13, generator=generator)).square().mean().backward()
+    return {"pending": [g.name for g in state.all_groups if g.unshard_pending]}
+
+
 def test_a_prefetch_nothing_used_is_finished_by_the_end_of_backward(dist_pool):
     for result in dist_pool(2).run(check_unused_prefetch_waited):
         assert result == {"pending": [], "first_full": True}, result
+    for result in dist_pool(2).run(check_unrun_prefetch_waited):
+        assert result == {"pending": []}, result

@@ -129,10 +129,7 @@ class RaggedFSDPState:
             self._buffers_need_sync = torch.is_grad_enabled() and self.requires_gradient_sync
         if self._root_depth == 0 and not torch.is_grad_enabled():  # evaluation: no backward will follow
             for group in self.all_groups:
-                if group.reshard_after_backward:
-                    group.reshard()
-                else:
-                    group.wait_unshard()  # kept full, as after a backward (_finish_group)
+                group.reshard_after_backward_step()
 
     def _begin_step(self) -> None:
         """Recover from a backward that raised, release what a backward-less forward kept,
@@ -286,10 +283,7 @@ class RaggedFSDPState:
             if dbuffer.has_unsharded_grad or (group.backward_prepared and dbuffer.trainable):
                 dbuffer.ensure_grad_buffer()
                 self._reduce(dbuffer)
-        if group.reshard_after_backward:
-            group.reshard()
-        else:  # kept full: a prefetch its backward never used must not read the shards during the optimizer step
-            group.wait_unshard()
+        group.reshard_after_backward_step()
         group.end_backward()
 
     def _reduce(self, dbuffer: DBuffer) -> None:
@@ -308,12 +302,10 @@ class RaggedFSDPState:
         for group in self.all_groups:
             if group.backward_prepared or group.forward_calls:
                 self._finish_group(group)
-            elif group.reshard_after_backward and (group.is_unsharded or group.unshard_pending):
+            elif group.is_unsharded or group.unshard_pending:
                 # ran forward with reshard_after_forward=False but got no gradient, or was prefetched and did not
                 # run: a gather left pending would be used after the optimizer step, with the old values
-                group.reshard()
-            else:
-                group.wait_unshard()  # kept full, as in _finish_group
+                group.reshard_after_backward_step()
         if self._reduced:
             self._settle_unused()
         self._finish_in_flight()

@@ -87,6 +87,15 @@ class ShardGroup:
             dbuffer.reshard()
         self.use_sharded()
 
+    def reshard_after_backward_step(self) -> None:
+        """After backward (or an evaluation forward): free everything, or keep the full parameters
+        (``reshard_after_backward=False``) with any gather finished, so that a prefetch nothing used
+        does not read the shards during the optimizer step."""
+        if self.reshard_after_backward:
+            self.reshard()
+        else:
+            self.wait_unshard()
+
     def reshard_after_forward_step(self) -> None:
         """After forward: free everything, keep a 1/int part (``reshard_after_forward=int``), or keep all."""
         if self.reshard_after_forward is False:

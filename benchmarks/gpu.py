@@ -25,24 +25,26 @@ machine with at least one CUDA device; it plans to finish in under 8 minutes on 
     the kernels around the collectives (casts, quantize, dequantize, the optimizer, gradients) and a read of
     a gathered buffer before its wait; ``tests/test_streams.py`` checks the same order on CPU. Both cases run
     with ``torch.use_deterministic_algorithms(True, warn_only=True)`` and ``CUBLAS_WORKSPACE_CONFIG=:4096:8``
-    (the bitwise verdict must not depend on a non-deterministic kernel). On CPU (``--dry-run``) the cases run without the sanitizer.
+    (the bitwise verdict must not depend on a non-deterministic kernel). On CPU (``--dry-run``) the cases
+    run without the sanitizer.
 (b) **step time and memory**: ragged vs FSDP2 vs DDP on a ~1.1B-parameter Llama built from a
     transformers ``LlamaConfig`` (random init, nothing downloaded), bf16 compute with fp32
     master weights (DDP: fp32 weights under bf16 autocast), fused AdamW, one process per GPU.
     One variant is alive at a time (built fresh each round, so its memory is its own; the memory
     allocated before each build is reported); rounds rotate the order. On one GPU this is world 1:
     ragged takes its single-rank path and FSDP2 skips its collectives too, DDP still all-reduces, so
-    the comparison is each framework's overhead on one device, not sharding or overlap. Reported: median step time with the spread, ``torch.cuda.max_memory_allocated``
-    and ``max_memory_reserved`` over the timed steps.
+    the comparison is each framework's overhead on one device, not sharding or overlap. Reported: median
+    step time with the spread, ``torch.cuda.max_memory_allocated`` and ``max_memory_reserved`` over the
+    timed steps.
 (c) **copies and collectives** of one forward+backward of each variant (and of the plain model):
     bytes written by copy-like operators (``CopyCounter``) and collectives (``CommDebugMode``).
 
 It writes the ``gpu`` section of ``benchmarks/RESULTS.md`` (``report.write_section``) and,
 with ``--out DIR``, ``gpu.md`` and ``gpu.json`` there, rewritten after every phase; every rank
 saves its results after every case and variant, so a phase killed at its limit, or a variant that
-raised, still leaves what finished (a case that failed on any rank is reported as that rank's error). Without a CUDA device it stops at once
-(exit 2). ``--dry-run`` runs the same code on CPU with gloo and tiny models, end to end,
-and writes nowhere but ``--out``.
+raised, still leaves what finished (a case that failed on any rank is reported as that rank's error).
+Without a CUDA device it stops at once (exit 2). ``--dry-run`` runs the same code on CPU with gloo
+and tiny models, end to end, and writes nowhere but ``--out``.
 """
 
 from __future__ import annotations
@@ -490,7 +492,8 @@ def run(args: argparse.Namespace, progress: Callable[[dict], None] = lambda resu
     sanitized = ("(a') keep_cast_shard, fp8: no sanitizer on CPU" if dry
                  else "(a') keep_cast_shard, fp8 under TORCH_CUDA_SANITIZER=1")
     parity_run(2, result["parity"][-1]["backend"], sanitized, cases=SANITIZED_CASES, steps=SANITIZED_STEPS,
-               deterministic=True, env={} if dry else {"TORCH_CUDA_SANITIZER": "1", "CUBLAS_WORKSPACE_CONFIG": ":4096:8"})
+               deterministic=True,
+               env={} if dry else {"TORCH_CUDA_SANITIZER": "1", "CUBLAS_WORKSPACE_CONFIG": ":4096:8"})
     budget = max(30.0, args.budget_s - (time.monotonic() - started))
     payload = meta["payload"] = {
         "device": device, "backend": "gloo" if dry else "nccl", "world": world, "budget_s": budget,
@@ -575,7 +578,8 @@ def _bench_lines(bench: dict, payload: dict) -> list[str]:
         "",
         f"{bench['params']:,} parameters; {rounds} rounds rotating the order, each variant "
         "built fresh per round (alone in memory"
-        + (f": at most {_gib(left) if left else '0 GiB'} allocated before a build" if payload["device"] == "cuda" else "")
+        + (f": at most {_gib(left) if left else '0 GiB'} allocated before a build"
+           if payload["device"] == "cuda" else "")
         + "), "
         f"{payload['warmup']} warm-up + {payload['steps']} timed steps; memory is the peak over the timed steps."
         + (" World 1: ragged and FSDP2 skip their collectives, DDP runs its all-reduce, "
@@ -590,7 +594,8 @@ def _bench_lines(bench: dict, payload: dict) -> list[str]:
         r, times = rows[v], rows[v]["times"]
         spread = f"{min(times) * 1e3:.1f}-{max(times) * 1e3:.1f} ms" if times else "-"
         lines.append(
-            f"| {v} | {f'{median[v] * 1e3:.1f} ms' if times else '-'} | {spread} | {_ratio(median[v], median['fsdp2'])} "
+            f"| {v} | {f'{median[v] * 1e3:.1f} ms' if times else '-'} | {spread} "
+            f"| {_ratio(median[v], median['fsdp2'])} "
             f"| {_ratio(median[v], median['ddp'])} | {_gib(r['max_allocated'])} "
             f"| {_ratio(r['max_allocated'], fsdp2['max_allocated'])} | {_gib(r['max_reserved'])} "
             f"| {_ratio(r['max_reserved'], fsdp2['max_reserved'])} |"

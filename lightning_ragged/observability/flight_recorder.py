@@ -67,7 +67,10 @@ def configure_flight_recorder(
     return applied
 
 
-_NEWER_NAMES = {"TORCH_NCCL_TRACE_BUFFER_SIZE": "TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": "TORCH_FR_DUMP_TEMP_FILE"}
+_NEWER_NAMES = {
+    "TORCH_NCCL_TRACE_BUFFER_SIZE": "TORCH_FR_BUFFER_SIZE",
+    "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": "TORCH_FR_DUMP_TEMP_FILE",
+}
 """The recorder's backend-neutral names of newer torch: set by the user, they count as the user's setting."""
 
 

@@ -13,7 +13,7 @@ from torch import nn
 
 import lightning_ragged as lr
 from lightning_ragged.engine.grouping import stack_blocks
-from tests.models import TinyBlock, lm_loss, make_batches, make_model
+from tests.models import SEQ, WIDTH, TinyBlock, lm_loss, make_batches, make_model
 from tests.test_fp8_gather import _IssuedCollectives
 from tests.test_fully_shard import BATCH, _local, check_training_matches_single_process
 
@@ -334,7 +334,7 @@ def check_unrun_prefetch_waited() -> dict:
     model.set_reshard_after_backward(False)
     state = lr.get_state(model)
     generator = torch.Generator().manual_seed(dist.get_rank())
-    model(torch.randn(2, 6, 13, generator=generator)).square().mean().backward()
+    model(torch.randn(2, SEQ, WIDTH, generator=generator)).square().mean().backward()
     return {"pending": [g.name for g in state.all_groups if g.unshard_pending]}
 
 

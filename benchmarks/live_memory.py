@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
@@ -40,6 +40,9 @@ class LiveStorageTracker(TorchDispatchMode):
         self._at_start: set[int] = set()
         self.phase = ""
         self.marks: dict[str, int] = {}
+        self.on_peak: Callable[[], Any] | None = None
+        """Called at every new peak inside ``window()``; its result is ``peak_detail``. It must dispatch no operator."""
+        self.peak_detail: Any = None
 
     # ------------------------------------------------------------------ registering
     def track(self, *values: Any) -> None:
@@ -114,6 +117,8 @@ class LiveStorageTracker(TorchDispatchMode):
             live, carried = self._count()
             if live > self.peak:
                 self.peak, self.peak_carried, self.peak_at = live, carried, f"{self.phase}: {func._schema.name}"
+                if self.on_peak is not None:
+                    self.peak_detail = self.on_peak()
         return out
 
 

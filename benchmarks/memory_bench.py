@@ -27,7 +27,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -143,8 +143,14 @@ def storage_bytes(tensors: Any) -> int:
     return sum({s._cdata: s.nbytes() for tensor in tensors for s in storages_of(tensor)}.values())
 
 
-def memory_pass(name: str, rank: int, world: int, precision: str, batches: torch.Tensor) -> dict[str, Any]:
-    """Live bytes of a fresh model at rest and at the peak of step ``MEASURED_STEP``, tracked from before the build."""
+def memory_pass(
+    name: str, rank: int, world: int, precision: str, batches: torch.Tensor,
+    held: Callable[[nn.Module], dict[str, Any]] | None = None,
+) -> dict[str, Any]:
+    """Live bytes of a fresh model at rest and at the peak of step ``MEASURED_STEP``, tracked from before the build.
+
+    ``held(model)``, if given, is read at the peak (bytes the framework holds there, by kind): ``result["held"]``.
+    """
     gc.collect()
     tracker = LiveStorageTracker()
     tracker.ignore(batches)
@@ -154,6 +160,8 @@ def memory_pass(name: str, rank: int, world: int, precision: str, batches: torch
         for step in range(MEASURED_STEP):
             train_step(name, precision, model, optimizer, local_batch(batches, step, rank, world))
         tokens = local_batch(batches, MEASURED_STEP, rank, world)
+        if held is not None:
+            tracker.on_peak = lambda: held(model)
         with tracker.window():
             train_step(name, precision, model, optimizer, tokens, tracker)
         params = storage_bytes(model.parameters())
@@ -161,7 +169,7 @@ def memory_pass(name: str, rank: int, world: int, precision: str, batches: torch
         result = {
             "built_bytes": built, "rest_bytes": tracker.marks["rest"], "peak_bytes": tracker.peak, "peak_at": tracker.peak_at,
             "peak_carried_bytes": tracker.peak_carried,
-            "param_bytes": params, "optimizer_state_bytes": state,
+            "param_bytes": params, "optimizer_state_bytes": state, "held": tracker.peak_detail,
         }
     del model, optimizer, tracker
     gc.collect()

@@ -2,12 +2,15 @@
 
 ``python benchmarks/memory_floor_bench.py`` (~2 min) measures, with ``memory_bench``'s storage
 tracker and model (the 20.5M GPT, 4 sequences per rank, step 2 of AdamW), the peak live bytes per
-rank at W=2 in fp32 and bf16 for four wrappings: lightning_ragged and FSDP2 as ``memory_bench``
-wraps them (every block a group, the root the rest), and both with the token embedding in a group
+rank at W=2 in fp32 and bf16 and at W=4 in bf16 (the configuration where lightning_ragged's peak
+is furthest above FSDP2's) for these wrappings: lightning_ragged and FSDP2 as ``memory_bench``
+wraps them (every block a group, the root the rest), both with the token embedding in a group
 of its own (``group_modules=[Block, model.embed]`` / ``fully_shard(model.embed)``, as torchtitan
 wraps it), so the embedding's full buffer is freed after its forward instead of living through
-the loss's backward. It writes the "memory-floor" section of ``benchmarks/RESULTS.md``.
-Counts, not times: the result does not depend on machine load.
+the loss's backward, and lightning_ragged with the in-place all-reduce. At each peak it also
+reads what the framework itself holds there (full parameters, full gradients, reduction
+buffers in flight) from the framework's own objects. It writes the "memory-floor" section of
+``benchmarks/RESULTS.md``. Counts, not times: the result does not depend on machine load.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import os
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -30,7 +34,9 @@ import memory_bench  # noqa: E402
 from models import make_batches  # noqa: E402
 from report import write_section  # noqa: E402
 
-WORLD = 2
+CONFIGS = ((2, "fp32"), (2, "bf16"), (4, "bf16"))
+HELD = ("params", "grads", "reduction")
+"""(world size, precision) per process tree."""
 VARIANTS = {
     "ragged": "lightning_ragged, blocks + root",
     "ragged-embed": "lightning_ragged, blocks + embedding + root",
@@ -64,13 +70,63 @@ def build(name: str, precision: str, seed: int = 0) -> tuple[torch.nn.Module, to
     return model, torch.optim.AdamW(model.parameters(), lr=memory_bench.LR)
 
 
-def worker(rank: int, precision: str, init_file: str, out_path: str) -> None:
+def ragged_held(model: torch.nn.Module) -> dict[str, Any]:
+    """Bytes lightning_ragged holds now: its DBuffers' full parameters and gradients (``grads_of``: by group), the
+    pairwise scratch in flight."""
+    import lightning_ragged
+    from lightning_ragged.engine.pairwise import PairwiseReduce
+
+    held: dict[str, Any] = dict(params=0, grads=0, reduction=0, grads_of={})
+    for group in lightning_ragged.get_state(model).all_groups:
+        for dbuffer in group.dbuffers:
+            held["params"] += dbuffer.unsharded.untyped_storage().nbytes()
+            grads = dbuffer.unsharded_grad.untyped_storage().nbytes()
+            held["grads"] += grads
+            if grads:
+                held["grads_of"][group.name] = held["grads_of"].get(group.name, 0) + grads
+            pending = dbuffer._pending_reduce
+            if pending is not None and isinstance(pending.work, PairwiseReduce):
+                held["reduction"] += pending.work.received.untyped_storage().nbytes()
+    return held
+
+
+def fsdp2_held(model: torch.nn.Module) -> dict[str, Any]:
+    """Bytes FSDP2 holds now: all-gather outputs, unsharded gradients, the reduce-scatter inputs it keeps.
+
+    Read from torch's private FSDP2 objects (a benchmark's view, not an API)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    kinds: dict[str, dict[int, int]] = dict(params={}, grads={}, reduction={})
+
+    def add(kind: str, tensor: torch.Tensor | None) -> None:
+        if tensor is not None:
+            storage = tensor.untyped_storage()
+            kinds[kind][storage._cdata] = storage.nbytes()
+
+    for module in model.modules():
+        group = module._get_fsdp_state()._fsdp_param_group if isinstance(module, FSDPModule) else None
+        if group is None:
+            continue
+        for fsdp_param in group.fsdp_params:
+            for output in fsdp_param.all_gather_outputs:
+                add("params", output)
+            add("grads", getattr(getattr(fsdp_param, "_unsharded_param", None), "grad", None))
+        for state in group.comm_ctx.reduce_scatter_states:
+            add("reduction", state.reduce_scatter_input)
+    return {kind: sum(sizes.values()) for kind, sizes in kinds.items()}
+
+
+def worker(rank: int, world: int, precision: str, init_file: str, out_path: str) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     memory_bench.default_build, memory_bench.build = memory_bench.build, build
-    batches = make_batches(memory_bench.MEASURED_STEP + 1, WORLD * 4, memory_bench.CFG)
-    result = {name: memory_bench.memory_pass(name, rank, WORLD, precision, batches) for name in VARIANTS}
-    gathered: list = [None] * WORLD
+    batches = make_batches(memory_bench.MEASURED_STEP + 1, world * 4, memory_bench.CFG)
+    result = {
+        name: memory_bench.memory_pass(name, rank, world, precision, batches,
+                                       ragged_held if name.startswith("ragged") else fsdp2_held)
+        for name in VARIANTS
+    }
+    gathered: list = [None] * world
     dist.all_gather_object(gathered, result)
     if rank == 0:
         Path(out_path).write_text(json.dumps(gathered))
@@ -78,29 +134,55 @@ def worker(rank: int, precision: str, init_file: str, out_path: str) -> None:
     os._exit(0)  # the result is written; skip interpreter teardown, where gloo's threads can abort (pytorch#190489)
 
 
-def measure(precision: str) -> list[dict]:
+def measure(world: int, precision: str) -> list[dict]:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
-        mp.spawn(worker, args=(precision, os.path.join(tmp, "pg"), out), nprocs=WORLD, join=True)
+        mp.spawn(worker, args=(world, precision, os.path.join(tmp, "pg"), out), nprocs=world, join=True)
         return json.loads(Path(out).read_text())
 
 
-def section(results: dict[str, list[dict]]) -> str:
+def mib(nbytes: float, spec: str = ".1f") -> str:
+    return f"{nbytes / 2**20:{spec}}"
+
+
+def peak_of(gathered: list[dict], name: str) -> dict:
+    """The variant's memory pass on the rank with the highest peak."""
+    return max((rank[name] for rank in gathered), key=lambda result: result["peak_bytes"])
+
+
+def framework_bytes(result: dict) -> int:
+    """Of a peak: the framework's full parameters, full gradients and reduction buffers, its shards and AdamW state."""
+    held = result["held"]
+    return sum(held[kind] for kind in HELD) + result["param_bytes"] + result["optimizer_state_bytes"]
+
+
+def section(results: dict[tuple[int, str], list[dict]]) -> str:
     lines = [
-        f"## Peak memory floor: the embedding's full buffer (W={WORLD} CPU ranks, gloo)",
+        "## Peak memory floor: the embedding's full buffer, and what each framework holds at its peak (gloo)",
         "",
         "Written by `benchmarks/memory_floor_bench.py`: `memory_bench`'s model (20.5M GPT, 8 blocks, vocab 8192, "
-        "width 384), tracker and step, peak live bytes per rank (largest rank).",
+        "width 384), tracker and step, peak live bytes per rank (the largest rank). Held at the peak, read from the "
+        "framework's own objects at that operator: full parameters (lightning_ragged's DBuffers' full buffers; "
+        "FSDP2's all-gather outputs), full gradients (the DBuffers' gradient buffers; FSDP2's unsharded parameters' "
+        "`.grad`), reduction buffers in flight (the pairwise reduction's scratch; FSDP2's kept reduce-scatter inputs); "
+        "sharded = the sharded parameters and AdamW state; the rest = the peak minus all these (activations, "
+        "autograd's saved tensors, sharded gradients, temporaries, and what a framework holds in local variables: "
+        "FSDP2's reduce-scatter being prepared keeps its gradients and fp32 input there, seen by no object).",
         "",
-        "| precision | wrapping | peak live MiB/rank | vs FSDP2 blocks + root | peak at |",
-        "|---|---|---:|---:|---|",
+        "| W | precision | wrapping | peak live MiB/rank | vs FSDP2 blocks + root | peak at | full params | "
+        "full grads | reduction buffers | sharded | the rest |",
+        "|---:|---|---|---:|---:|---|---:|---:|---:|---:|---:|",
     ]
-    for precision, gathered in results.items():
-        peaks = {name: max(rank[name]["peak_bytes"] for rank in gathered) for name in VARIANTS}
+    for (world, precision), gathered in results.items():
+        base = peak_of(gathered, "fsdp2")["peak_bytes"]
         for name, label in VARIANTS.items():
-            ratio = peaks[name] / peaks["fsdp2"]
+            result = peak_of(gathered, name)
+            held = result["held"]
+            rest = result["peak_bytes"] - framework_bytes(result)
             lines.append(
-                f"| {precision} | {label} | {peaks[name] / 2**20:.1f} | {ratio:.2f}x | `{gathered[0][name]['peak_at']}` |"
+                f"| {world} | {precision} | {label} | {mib(result['peak_bytes'])} | {result['peak_bytes'] / base:.2f}x "
+                f"| `{result['peak_at']}` | {mib(held['params'])} | {mib(held['grads'])} | {mib(held['reduction'])} "
+                f"| {mib(result['param_bytes'] + result['optimizer_state_bytes'])} | {mib(rest)} |"
             )
     lines += [
         "",
@@ -110,31 +192,62 @@ def section(results: dict[str, list[dict]]) -> str:
         "own frees it after the forward, in either framework alike: the same floor for both, ~0.96x of the "
         "default wrapping, so issue 12's \"<= 0.9x FSDP2's peak\" is out of reach on this model for live "
         "tensor bytes; what remains between the frameworks on a GPU is the allocator (reserved memory, streams).",
+        "",
     ]
     model = memory_bench.make_gpt(memory_bench.CFG)
     head = sum(p.numel() for p in [*model.head.parameters(), *model.ln_f.parameters()])
-    for precision, gathered in results.items():
-        pairwise, all_reduce = (max(rank[name]["peak_bytes"] for rank in gathered) for name in ("ragged", "ragged-allreduce"))
-        scratch = head * 4 * (WORLD - 1) / WORLD
+    total = sum(p.numel() for p in model.parameters())
+    for (world, precision), gathered in results.items():
+        pairwise, all_reduce = (peak_of(gathered, name)["peak_bytes"] for name in ("ragged", "ragged-allreduce"))
+        scratch = head * 4 * (world - 1) / world
         lines.append(
-            f"{precision}: the pairwise reduction's peak is {(pairwise - all_reduce) / 2**20:+.1f} MiB over the in-place "
-            "all-reduce's"
-            + (f", the size of the head DBuffer's scratch ((W-1)/W of the final norm's and head's {head / 1e6:.2f}M fp32 "
-               f"gradients, {scratch / 2**20:.1f} MiB; that DBuffer is reduced first, so its reduction is in flight "
+            f"- W={world} {precision}: the pairwise reduction's peak is {mib(pairwise - all_reduce, '+.1f')} MiB over "
+            "the in-place all-reduce's"
+            + (f", the size of the head DBuffer's scratch ((W-1)/W of the final norm's and head's {head / 1e6:.2f}M "
+               f"fp32 gradients, {mib(scratch)} MiB; that DBuffer is reduced first, so its reduction is in flight "
                "during the next block's backward)." if abs(pairwise - all_reduce - scratch) < 2**18 else ".")
         )
-    for precision, gathered in results.items():
-        ours, theirs = (max(rank[name]["peak_bytes"] for rank in gathered) for name in ("ragged-embed", "fsdp2-embed"))
-        if ours - theirs > 2**16:  # more than 64 KiB
-            lines.append(
-                f"With the embedding apart in {precision}, lightning_ragged's peak is {(ours - theirs) / 2**20:.1f} MiB "
-                f"above FSDP2's (at `{gathered[0]['ragged-embed']['peak_at']}`, in a block's backward): not analysed yet."
-            )
+    def over(gathered: list[dict]) -> bool:
+        return peak_of(gathered, "ragged")["peak_bytes"] > peak_of(gathered, "fsdp2")["peak_bytes"]
+
+    above = [(world, gathered) for (world, precision), gathered in results.items()
+             if precision == "bf16" and over(gathered)]
+    if above:
+        lines += ["", "Where lightning_ragged's bf16 peak is above FSDP2's (blocks + root):"]
+    for world, gathered in above:
+        ours, theirs = peak_of(gathered, "ragged"), peak_of(gathered, "fsdp2")
+        holders = ", ".join(f"{group} {mib(size)} MiB" for group, size in ours["held"]["grads_of"].items())
+        lines.append(
+            f"- W={world}: +{mib(ours['peak_bytes'] - theirs['peak_bytes'])} MiB. Its peak falls in a block's backward "
+            f"(`{ours['peak_at']}`) with {mib(ours['held']['grads'])} MiB of full gradients ({holders}), "
+            f"{mib(ours['held']['reduction'])} MiB of reduction scratch and "
+            f"{mib(ours['peak_bytes'] - framework_bytes(ours))} "
+            f"MiB of the rest; FSDP2's at `{theirs['peak_at']}` with {mib(theirs['held']['params'])} MiB of full "
+            f"parameters, {mib(theirs['held']['grads'])} MiB of full gradients, {mib(theirs['held']['reduction'])} MiB "
+            f"of reduction buffers and {mib(theirs['peak_bytes'] - framework_bytes(theirs))} MiB of the rest"
+            + (" (no full parameters in backward: its root's post-backward has resharded the root, so this is the "
+               "root's reduce-scatter at the end of backward, its gradients and input in local variables)."
+               if theirs["held"]["params"] == 0 else ".")
+        )
+    if above:
+        lines += [
+            "",
+            "Why: lightning_ragged casts each bf16 gradient into its DBuffer's fp32 gradient buffer as it arrives "
+            "(`reduce_dtype=fp32`) and reduces the root's head DBuffer (final norm and head, "
+            f"{head / 1e6:.2f}M parameters: {mib(head * 4)} MiB in fp32) as soon as its gradients are complete, "
+            "overlapping the blocks' backward; so that buffer, the running block's fp32 buffer and the scratch are "
+            "alive while most activations still are. FSDP2 keeps the root's gradients in bf16 on its unsharded "
+            "parameters and reduce-scatters the root in fp32 only at the end of backward (its root post-backward "
+            "callback), when the activations are gone. Deferring the root's reduction as FSDP2 does would trade the "
+            "head reduction's overlap for this memory; not done: on this model the final norm and head are "
+            f"{head / total:.0%} of the parameters, and whether this matters at a GPU peak (where the logits "
+            "dominate) is `benchmarks/gpu.py`'s to measure.",
+        ]
     return "\n".join(lines)
 
 
 def main() -> None:
-    results = {precision: measure(precision) for precision in ("fp32", "bf16")}
+    results = {(world, precision): measure(world, precision) for world, precision in CONFIGS}
     text = section(results)
     print(text)
     write_section("memory-floor", text)

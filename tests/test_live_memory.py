@@ -58,6 +58,21 @@ def test_hand_count_of_forward_and_backward_peak() -> None:
     assert tracker.current() == weight + inputs + weight  # the loss and its gradient died with the graph
 
 
+def test_on_peak_is_read_at_the_peak_operator() -> None:
+    tracker = LiveStorageTracker()
+    with tracker:
+        small = torch.empty(100)
+        with tracker.window():
+            tracker.on_peak = lambda: {"live": tracker.current(), "small_alive": small.untyped_storage().nbytes()}
+            big = torch.empty(1000)
+            del big  # the peak was with big alive; afterwards less is live
+            gc.collect()
+            small.untyped_storage().resize_(0)
+            torch.empty(10)  # a later operator below the peak: the detail stays the peak's
+    assert tracker.peak == 1100 * F32
+    assert tracker.peak_detail == {"live": 1100 * F32, "small_alive": 100 * F32}
+
+
 class _Stack(nn.Module):
     def __init__(self) -> None:
         super().__init__()

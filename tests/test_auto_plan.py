@@ -267,3 +267,59 @@ def test_auto_plan_accepts_a_plain_list_and_reports_its_types():
     chosen = auto_plan(kinds, 16, "row", 10**9)
     assert isinstance(chosen, AutoPlan) and chosen.dbuffer_size >= 4 * 16 * 4
     json.dumps(chosen.to_dict())
+
+
+# ----------------------------------------------------------------------------------- the engine as oracle
+def _engine_full_bytes(reduce_dtype: torch.dtype | None) -> tuple[int, int]:
+    """On a rank: the largest group's full parameter and full gradient bytes in ``fully_shard``'s own buffers."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from tests.models import lm_loss, make_batches, make_model
+
+    model = make_model()
+    lr.fully_shard(model, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype))
+    with lr.no_sync(model):  # the full gradient buffers stay allocated, accumulating
+        lm_loss(model, make_batches(1, 2)[0]).backward()
+    params, grads = [], []
+    for group in lr.get_state(model).all_groups:
+        grads.append(sum(b.unsharded_grad.untyped_storage().nbytes() for b in group.dbuffers))
+        group.module.unshard()
+        params.append(sum(b.unsharded.untyped_storage().nbytes() for b in group.dbuffers))
+        group.module.reshard()
+    return max(params), max(grads)
+
+
+@pytest.mark.parametrize("reduce_dtype", [None, torch.float32])
+def test_estimate_counts_the_gradient_buffer_in_the_reduce_dtype_as_the_engine_allocates_it(dist_pool, reduce_dtype):
+    from lightning_ragged.cli.model_groups import ModelDescription
+    from lightning_ragged.cli.plan import plan_model
+    from lightning_ragged.engine.api import VIEW_ALIGNMENT_BYTES
+    from lightning_ragged.engine.auto_grouping import describe_groups
+    from lightning_ragged.engine.grouping import plan_groups
+    from tests.models import make_model
+
+    world = 2
+    (params, grads), *others = dist_pool(world).run(_engine_full_bytes, reduce_dtype)
+    assert all(other == (params, grads) for other in others)
+    description = ModelDescription("tiny", describe_groups(plan_groups(make_model(), None, 2**40)))
+    groups = plan_model(description, world, alignment=VIEW_ALIGNMENT_BYTES // 2)  # 16 bytes of bf16, as fully_shard
+    reduce_bytes = None if reduce_dtype is None else reduce_dtype.itemsize
+    memory = memory_estimate(groups, world, 4, 2, "adamw", reduce_bytes)
+    assert memory["largest_unsharded_group"] == params
+    assert memory["transient_peak"] == 2 * params + grads  # computing + prefetched, and one gradient buffer
+    assert grads == params * (2 if reduce_dtype == torch.float32 else 1)  # the case this guards: fp32 is twice bf16
+
+
+def test_plan_cli_reduce_dtype_sizes_the_gradient_buffer(capsys):
+    from lightning_ragged.cli.plan import main
+
+    memory = {}
+    for dtype in ("bf16", "fp32"):
+        assert main(["--config", "llama3-70b", "--world-size", "64", "--json", "--reduce-dtype", dtype]) == 0
+        report = json.loads(capsys.readouterr().out)
+        assert report["reduce_dtype"] == dtype
+        memory[dtype] = report["memory"]
+    largest = memory["fp32"]["largest_unsharded_group"]  # bf16: 2 bytes an element; an fp32 gradient buffer is twice
+    assert memory["fp32"]["transient_peak"] - memory["bf16"]["transient_peak"] == largest
+    assert main(["--config", "llama3-70b", "--world-size", "64"]) == 0  # the default is fp32, as precision="bf16-mixed"
+    assert "reduce fp32" in capsys.readouterr().out

@@ -140,13 +140,13 @@ def memory_lines(report: dict[str, Any]) -> list[str]:
     memory = report["memory"]
     return [
         f"Per-rank memory estimate (master {report['master_dtype']}, compute {report['param_dtype']}, "
-        f"optimizer {report['optimizer']}; activations not included):",
+        f"reduce {report['reduce_dtype']}, optimizer {report['optimizer']}; activations not included):",
         f"  parameters (sharded)        {format_bytes(memory['params'], 2)}",
         f"  gradients (sharded)         {format_bytes(memory['grads'], 2)}",
         f"  optimizer states            {format_bytes(memory['optimizer_states'], 2)}",
         f"  largest unsharded group     {format_bytes(memory['largest_unsharded_group'], 2)}",
         f"  transient peak              {format_bytes(memory['transient_peak'], 2)}"
-        "  (2 full groups: computing + prefetched, and 1 full gradient buffer)",
+        "  (2 full groups: computing + prefetched, and 1 full gradient buffer in the reduce dtype)",
         f"  total                       {format_bytes(memory['total'], 2)}",
     ]
 
@@ -211,13 +211,14 @@ def build_auto_report(args: argparse.Namespace) -> dict[str, Any]:
             optimizer=args.optimizer,
             padding_target=args.padding_target,
             replicate_degree=args.replicate_degree,
+            reduce_bytes=DTYPE_BYTES[args.reduce_dtype],
         )
     except ValueError as error:
         raise SystemExit(f"cannot auto-plan {name}: {error}") from None
     settings = dict(
         model=name, total_params=description.total_params, granularity=args.granularity, block_rows=args.block_rows,
         algorithm=args.algorithm, alignment=args.alignment, master_dtype=args.master_dtype,
-        param_dtype=args.param_dtype, optimizer=args.optimizer,
+        param_dtype=args.param_dtype, reduce_dtype=args.reduce_dtype, optimizer=args.optimizer,
     )
     return dict(settings, **chosen.to_dict())
 
@@ -256,13 +257,15 @@ def build_report(args: argparse.Namespace) -> dict[str, Any]:
         alignment=args.alignment,
         master_dtype=args.master_dtype,
         param_dtype=args.param_dtype,
+        reduce_dtype=args.reduce_dtype,
         optimizer=args.optimizer,
         groups=groups,
         padding_ratio=sum(count * b["padding"] for count, b in weighted) / numel,
         root_fraction=sum(g["count"] * b["numel"] for g in groups if g["group"] == "root" for b in g["dbuffers"]) / numel,
         block_cuts_avoided=sum(count * b["block_cuts_avoided"] for count, b in weighted),
         plan_seconds=sum(b["plan_seconds"] for _, b in weighted),
-        memory=memory_estimate(groups, shard_world, master_bytes, param_bytes, args.optimizer),
+        memory=memory_estimate(groups, shard_world, master_bytes, param_bytes, args.optimizer,
+                               DTYPE_BYTES[args.reduce_dtype]),
     )
 
 
@@ -353,6 +356,13 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--master-dtype", choices=tuple(DTYPE_BYTES), default="fp32")
     p.add_argument("--param-dtype", choices=tuple(DTYPE_BYTES), default="bf16", help="compute dtype (all-gathered)")
+    p.add_argument(
+        "--reduce-dtype",
+        choices=tuple(DTYPE_BYTES),
+        default="fp32",
+        help="dtype of the full gradient buffers (MixedPrecisionPolicy.reduce_dtype; default fp32, as Lightning's "
+        "precision='bf16-mixed' and the README's policy; pass the --param-dtype for reduce_dtype=None)",
+    )
     p.add_argument("--optimizer", choices=tuple(OPTIMIZER_STATE_BYTES), default="adamw")
     p.add_argument("--json", action="store_true", help="print the report (or the --auto report) as one JSON object")
     p.add_argument(

@@ -149,7 +149,7 @@ def fully_shard(
     if planning is not None or memory_budget_bytes is not None:
         auto, group_modules = _auto_plan(
             module, planning, memory_budget_bytes, group_modules, blocks_per_group, world_size, replicate_group,
-            shard_granularity, block_rows, alignment, planning_algorithm, param_dtype, dbuffer_size,
+            shard_granularity, block_rows, alignment, planning_algorithm, param_dtype, dbuffer_size, reduce_dtype,
         )
         dbuffer_size = auto.dbuffer_size
     stats = CommStats()
@@ -254,6 +254,7 @@ def _auto_plan(
     module: nn.Module, planning: Any, budget: Any, group_modules: Sequence[GroupSpec] | None, blocks_per_group: int,
     world_size: int, replicate_group: dist.ProcessGroup | None, granularity: GranularityPolicy, block_rows: int,
     alignment: int | None, algorithm: str, param_dtype: torch.dtype | None, dbuffer_size: int,
+    reduce_dtype: torch.dtype | None,
 ) -> tuple[AutoPlan, list[list[nn.Module]]]:
     """``planning="auto"``: the auto-planner's plan and the groups it chose (see ``auto_grouping.py``)."""
     if planning != "auto":
@@ -270,7 +271,7 @@ def _auto_plan(
     return auto_plan_for(
         module, world_size * replicas, replicas, budget, granularity=granularity, block_rows=block_rows,
         alignment=alignment, algorithm=algorithm, param_dtype=param_dtype, dbuffer_size=dbuffer_size,
-        group_modules=group_modules,
+        group_modules=group_modules, reduce_dtype=reduce_dtype,
     )
 
 
@@ -278,7 +279,7 @@ def auto_plan_for(
     module: nn.Module, world_size: int, replicate_degree: int | None, memory_budget_bytes: Any, *,
     granularity: GranularityPolicy = "row", block_rows: int = 128, alignment: int | None = None,
     algorithm: str = "optimal", param_dtype: torch.dtype | None = None, dbuffer_size: int = DEFAULT_DBUFFER_SIZE,
-    group_modules: Sequence[GroupSpec] | None = None,
+    group_modules: Sequence[GroupSpec] | None = None, reduce_dtype: torch.dtype | None = None,
 ) -> tuple[AutoPlan, list[list[nn.Module]]]:
     """The auto-planner on ``module`` as ``fully_shard`` would group it: the plan and its groups.
 
@@ -295,7 +296,7 @@ def auto_plan_for(
     return auto_groups(
         module, group_modules, world_size=world_size, replicate_degree=replicate_degree,
         memory_budget_bytes=memory_budget_bytes, granularity=granularity, block_rows=block_rows, alignment=unit,
-        algorithm=algorithm, param_dtype=param_dtype, dbuffer_size=dbuffer_size,
+        algorithm=algorithm, param_dtype=param_dtype, dbuffer_size=dbuffer_size, reduce_dtype=reduce_dtype,
     )
 
 

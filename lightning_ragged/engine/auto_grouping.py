@@ -64,6 +64,7 @@ def auto_groups(
     algorithm: str,
     param_dtype: torch.dtype | None,
     dbuffer_size: int,
+    reduce_dtype: torch.dtype | None = None,
 ) -> tuple[AutoPlan, list[list[nn.Module]]]:
     """Plan ``module``'s one-block groups with the auto-planner; return the plan and the groups it chose.
 
@@ -74,10 +75,11 @@ def auto_groups(
     master = next((p for p in module.parameters()), None)
     master_bytes = master.element_size() if master is not None else 4
     param_bytes = torch.empty((), dtype=param_dtype).element_size() if param_dtype is not None else master_bytes
+    reduce_bytes = torch.empty((), dtype=reduce_dtype).element_size() if reduce_dtype is not None else param_bytes
     chosen = auto_plan(
         describe_groups(plans), world_size, granularity, memory_budget_bytes, block_rows=block_rows,
         alignment=alignment, algorithm=algorithm, master_bytes=master_bytes, param_bytes=param_bytes,
-        replicate_degree=replicate_degree,
+        replicate_degree=replicate_degree, reduce_bytes=reduce_bytes,
     )
     by_name = dict(module.named_modules())
     groups = [

@@ -173,19 +173,22 @@ def auto_plan(
     optimizer: str = "adamw",
     padding_target: float = DEFAULT_PADDING_TARGET,
     replicate_degree: Optional[int] = None,
+    reduce_bytes: Optional[int] = None,
 ) -> AutoPlan:
     """Choose blocks per group (per kind) and the replicate degree for ``world_size`` ranks within the budget.
 
     ``groups``: :class:`GroupKind` list, blocks first and the root last (or anything with a
     ``.groups`` list of them, e.g. the plan report's ``ModelDescription``). ``replicate_degree``:
-    fix R (default: search every divisor of ``world_size``). :class:`BudgetTooSmall` (a ``ValueError``)
+    fix R (default: search every divisor of ``world_size``). ``reduce_bytes``: the full gradient buffer's
+    element size (the policy's ``reduce_dtype``; None: ``param_bytes``). :class:`BudgetTooSmall` (a ``ValueError``)
     if no choice fits; ``ValueError`` for a bad argument.
     """
     kinds = list(getattr(groups, "groups", groups))
+    reduce_bytes = param_bytes if reduce_bytes is None else reduce_bytes
     _check(kinds, world_size, granularity, memory_budget_bytes, block_rows, alignment, algorithm, master_bytes,
-           param_bytes, optimizer, padding_target, replicate_degree)
+           param_bytes, reduce_bytes, optimizer, padding_target, replicate_degree)
     return _Search(kinds, world_size, granularity, memory_budget_bytes, block_rows, alignment, algorithm,
-                   master_bytes, param_bytes, optimizer, padding_target).run(replicate_degree)
+                   master_bytes, param_bytes, reduce_bytes, optimizer, padding_target).run(replicate_degree)
 
 
 @dataclass
@@ -203,10 +206,10 @@ class _Choice:
 
 
 class _Search:
-    def __init__(self, kinds, world, policy, budget, block_rows, alignment, algorithm, master, param, optimizer,
-                 target) -> None:
+    def __init__(self, kinds, world, policy, budget, block_rows, alignment, algorithm, master, param, reduce,
+                 optimizer, target) -> None:
         self.kinds, self.world, self.budget, self.alignment, self.algorithm = kinds, world, budget, alignment, algorithm
-        self.master, self.param, self.optimizer, self.target = master, param, optimizer, target
+        self.master, self.param, self.reduce, self.optimizer, self.target = master, param, reduce, optimizer, target
         self.specs = [
             [[TensorSpec(n, math.prod(s), shape_granularity(policy, n, s, block_rows)) for n, s in run]
              for run in kind.runs]
@@ -267,7 +270,7 @@ class _Search:
 
     def over_budget(self, index: int, blocks: int) -> bool:
         """One group of ``blocks`` blocks of kind ``index`` alone exceeds the budget (full params, grads, prefetch)."""
-        return 3 * blocks * self.numel[index] * self.param > self.budget
+        return blocks * self.numel[index] * (2 * self.param + self.reduce) > self.budget
 
     def segments(self, index: int, blocks: int, shard_world: int, exact: bool) -> tuple[int, ...]:
         key = (index, blocks, shard_world, exact)
@@ -289,7 +292,7 @@ class _Search:
                 if count:
                     entries.append((index, blocks, count, self.segments(index, blocks, shard_world, exact)))
         report = [dict(count=c, dbuffers=[dict(segment_size=s) for s in segs]) for _, _, c, segs in entries]
-        memory = memory_estimate(report, shard_world, self.master, self.param, self.optimizer)
+        memory = memory_estimate(report, shard_world, self.master, self.param, self.optimizer, self.reduce)
         padded = sum(count * sum(segs) * shard_world for _, _, count, segs in entries)
         collectives, sent = 0, 0.0
         for index, _, count, segs in entries:
@@ -423,7 +426,7 @@ def _bound_reason(runs: list[list[TensorSpec]], world: int, alignment: int) -> s
     return f"{names} force S to a multiple of {lcm:,}, the share is {share:,}"
 
 
-def _check(kinds, world, policy, budget, block_rows, alignment, algorithm, master, param, optimizer, target,
+def _check(kinds, world, policy, budget, block_rows, alignment, algorithm, master, param, reduce, optimizer, target,
            replicate) -> None:
     """Refuse bad arguments early, naming the parameter, the value and the fix."""
     if not kinds or not all(isinstance(k, GroupKind) for k in kinds):
@@ -435,7 +438,7 @@ def _check(kinds, world, policy, budget, block_rows, alignment, algorithm, maste
     check_block_rows(block_rows)
     if algorithm not in ALGORITHMS:
         raise ValueError(f"algorithm={algorithm!r} is unknown; use one of {ALGORITHMS}")
-    for name, value in (("master_bytes", master), ("param_bytes", param)):
+    for name, value in (("master_bytes", master), ("param_bytes", param), ("reduce_bytes", reduce)):
         if value not in DTYPE_OF_BYTES:
             raise ValueError(f"{name}={value!r} must be an element size in bytes: 4, 2 or 1")
     if optimizer not in OPTIMIZER_STATE_BYTES:

@@ -26,12 +26,15 @@ _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-z]*)\s*$", re.IGNOR
 
 
 def memory_estimate(
-    groups: Sequence[Mapping[str, Any]], shard_world: int, master_bytes: int, param_bytes: int, optimizer: str
+    groups: Sequence[Mapping[str, Any]], shard_world: int, master_bytes: int, param_bytes: int, optimizer: str,
+    reduce_bytes: int | None = None,
 ) -> dict[str, float]:
     """Per-rank bytes: sharded params, grads and optimizer states; the largest full group (params, grads).
 
     ``groups``: one mapping per group kind with ``count`` (identical groups) and ``dbuffers``
     (one mapping per DBuffer with its ``segment_size`` in elements), as the plan report lists them.
+    ``param_bytes``: the all-gathered (compute) element; ``reduce_bytes``: the full gradient
+    buffer's element, the policy's ``reduce_dtype`` (None: ``param_bytes``, as ``reduce_dtype=None``).
     """
     segment_elements = sum(g["count"] * sum(b["segment_size"] for b in g["dbuffers"]) for g in groups)
     largest = max(sum(b["segment_size"] * shard_world for b in g["dbuffers"]) for g in groups)
@@ -40,7 +43,7 @@ def memory_estimate(
     states = segment_elements * OPTIMIZER_STATE_BYTES[optimizer]
     unsharded = largest * param_bytes
     # One group computing and the next one prefetched, plus one full gradient buffer in backward.
-    transient = 2 * unsharded + largest * param_bytes
+    transient = 2 * unsharded + largest * (param_bytes if reduce_bytes is None else reduce_bytes)
     return dict(
         params=params,
         grads=grads,

@@ -351,7 +351,7 @@ class RaggedFSDPStrategy(ParallelStrategy):
             alignment=self._engine_kwargs.get("alignment"), algorithm=self.planning_algorithm,
             param_dtype=policy.param_dtype if policy is not None else None,
             dbuffer_size=self.applied_dbuffer_size or DEFAULT_DBUFFER_SIZE,
-            group_modules=group_modules,
+            group_modules=group_modules, reduce_dtype=policy.reduce_dtype if policy is not None else None,
         )
         self.auto_replicate_degree = chosen.replicate_degree
         return chosen.replicate_degree

@@ -100,6 +100,12 @@ def parity(results: dict, name: str, ragged_strategy, devices: int = 2, ragged_c
     return trainer, ragged
 
 
+def with_batchnorm(model: LitTinyGPT) -> LitTinyGPT:
+    """A BatchNorm layer the forward does not use: what ``sync_batchnorm=True`` would convert."""
+    model.probe_norm = torch.nn.BatchNorm1d(4)
+    return model
+
+
 def main_mode(results: dict) -> None:
     # fp32 parity, names, and the strategy's collectives (full checkpoints: one ordinary file).
     trainer, ragged = parity(results, "fp32", RaggedFSDPStrategy(state_dict_type="full"))
@@ -127,6 +133,28 @@ def main_mode(results: dict) -> None:
     results["test_ok"] = "test_loss" in test[0]
     predictions = trainer.predict(ragged, loader)
     results["predict_ok"] = bool(predictions) and tuple(predictions[0].shape) == (BATCH, 8)
+
+    # Refused before any step, with the reason (tests/test_strategy.py checks the messages): the sharded module in a
+    # run with another precision; Lightning's weight-averaging callbacks; sync_batchnorm on CPU with a BatchNorm.
+    from lightning.pytorch.callbacks import EMAWeightAveraging, StochasticWeightAveraging
+
+    refusals = {
+        "reuse_precision": lambda: make_trainer(RaggedFSDPStrategy(state_dict_type="full"), 2, 1,
+                                                precision="bf16-true").validate(ragged, loader, verbose=False),
+        "swa": lambda: make_trainer("ragged_fsdp", 2, 2, callbacks=[StochasticWeightAveraging(swa_lrs=0.01)]).fit(
+            LitTinyGPT(), token_loader(4 * BATCH, BATCH)),
+        "ema": lambda: make_trainer("ragged_fsdp", 2, 2, callbacks=[EMAWeightAveraging()]).fit(
+            LitTinyGPT(), token_loader(4 * BATCH, BATCH)),
+        "sync_batchnorm": lambda: make_trainer("ragged_fsdp", 2, 2, sync_batchnorm=True).fit(
+            with_batchnorm(LitTinyGPT()), token_loader(4 * BATCH, BATCH)),
+    }
+    for name, run in refusals.items():
+        try:
+            run()
+            results[f"refused_{name}"] = None
+        except ValueError as error:
+            results[f"refused_{name}"] = str(error)
+    results["reuse_after_refusal_same_settings"] = "val_loss" in trainer.validate(ragged, loader, verbose=False)[0]
 
     # state_dict_type="full": a usable, ordinary checkpoint; resuming from it loads the shards.
     # (Sharded DCP checkpoints, the default, are tested by tests/test_checkpoint.py.)
@@ -215,8 +243,22 @@ def slurm_hsdp_mode(results: dict) -> None:
     results["hsdp_losses"] = ragged.losses
     shard = next(iter(ragged.parameters())).ragged_shard
     results["hsdp_shard_world"] = shard.world_size
-    parity(results, "hsdp_clip", RaggedFSDPStrategy(replicate_degree=2), devices=2, num_nodes=2,
-           gradient_clip_val=0.05)
+    trainer, clipped = parity(results, "hsdp_clip", RaggedFSDPStrategy(replicate_degree=2), devices=2, num_nodes=2,
+                              gradient_clip_val=0.05)
+    # After fit (and its teardown) the HSDP groups still serve the module until the next run: a sharded
+    # checkpoint saves, and a new run resumes from it with the same weights (max_steps reached: no new step).
+    rank = trainer.strategy.global_rank
+    ckpt_dir = trainer.strategy.broadcast(tempfile.mkdtemp(prefix="ragged_hsdp_") if rank == 0 else None)
+    path = os.path.join(ckpt_dir, "after_fit.ckpt")
+    trainer.save_checkpoint(path)
+    trained = full_params(clipped)
+    resumed = LitTinyGPT()
+    make_trainer(RaggedFSDPStrategy(replicate_degree=2), 2, trainer.global_step, num_nodes=2).fit(
+        resumed, token_loader(4 * 2 * BATCH, BATCH), ckpt_path=path)
+    results["hsdp_save_after_fit_resume_diff"] = worst(max_diff(trained, full_params(resumed)))
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(ckpt_dir, ignore_errors=True)
 
 
 def main() -> None:

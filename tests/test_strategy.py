@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 RUNS = ROOT / "tests" / "lightning_runs.py"
@@ -204,6 +205,35 @@ def test_validate_test_predict_and_collectives(main_run: dict) -> None:
         assert main_run[check], check
 
 
+def test_runs_it_cannot_honour_are_refused_with_the_reason(main_run: dict) -> None:
+    reuse = main_run["refused_reuse_precision"]
+    assert reuse and "sharded by an earlier Trainer run" in reuse and "precision was '32-true', now 'bf16-true'" in reuse
+    assert main_run["reuse_after_refusal_same_settings"]  # the module still serves a run with its own settings
+    for name, callback in (("swa", "StochasticWeightAveraging"), ("ema", "EMAWeightAveraging")):
+        message = main_run[f"refused_{name}"]
+        assert message and f"does not support the {callback} callback" in message, message
+    sync = main_run["refused_sync_batchnorm"]
+    assert sync and "sync_batchnorm=True" in sync and "probe_norm" in sync and "not on CPU" in sync, sync
+
+
+def test_sync_batchnorm_converts_before_sharding_on_accelerators() -> None:
+    """The conversion itself (Lightning's ``TorchSyncBatchNorm``, what ``sync_batchnorm=True`` sets), for a CUDA run:
+    torch's conversion is device-independent, so it runs here; a model without BatchNorm passes through on CPU."""
+    from lightning.pytorch.plugins import TorchSyncBatchNorm
+    from torch import nn
+
+    from lightning_ragged.lightning.run_checks import apply_sync_batchnorm
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Sequential(nn.BatchNorm2d(3)))
+    converted = apply_sync_batchnorm(TorchSyncBatchNorm(), model, torch.device("cuda"))
+    assert [type(m).__name__ for m in converted.modules() if "BatchNorm" in type(m).__name__] == ["SyncBatchNorm"] * 2
+    plain = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))
+    assert apply_sync_batchnorm(TorchSyncBatchNorm(), plain, torch.device("cpu")) is plain
+    assert apply_sync_batchnorm(None, model, torch.device("cpu")) is model
+    with pytest.raises(ValueError, match="runs on accelerators only"):
+        apply_sync_batchnorm(TorchSyncBatchNorm(), nn.Sequential(nn.BatchNorm1d(4)), torch.device("cpu"))
+
+
 def test_checkpoint_is_full_and_resumes(main_run: dict) -> None:
     assert main_run["checkpoint_diff"] == 0.0
     assert main_run["resume_steps"] == 2 and main_run["resume_global_step"] == 8
@@ -304,6 +334,7 @@ def test_hsdp_2x2_matches_ddp(slurm_hsdp_run: dict) -> None:
         assert slurm_hsdp_run[f"{name}_steps"] >= 5
         assert slurm_hsdp_run[f"{name}_loss_diff"] <= FP32_TOL, slurm_hsdp_run
         assert slurm_hsdp_run[f"{name}_param_diff"] <= FP32_TOL, slurm_hsdp_run
+    assert slurm_hsdp_run["hsdp_save_after_fit_resume_diff"] == 0.0  # trainer.save_checkpoint after fit, with HSDP
 
 
 def test_lightning_cli_fits_from_the_example_yaml() -> None:

@@ -66,6 +66,9 @@ from lightning_ragged.engine.meta_init import has_meta_tensors, materialize_meta
 from lightning_ragged.lightning.preemption import attach as attach_slurm_requeue
 from lightning_ragged.lightning.model_summary import use_global_parameter_counts
 from lightning_ragged.lightning.precision import to_ragged_precision
+from lightning_ragged.lightning.run_checks import (
+    apply_sync_batchnorm, check_reused_module, describe, refuse_weight_averaging, remember_settings,
+)
 from lightning_ragged.observability.flight_recorder import configure_flight_recorder
 from lightning_ragged.observability.tuning import TUNING_FILE, read_recommendation
 
@@ -370,13 +373,18 @@ class RaggedFSDPStrategy(ParallelStrategy):
             replicate_ranks, timeout=self._timeout
         )
         self._created_groups = [*shard_groups, *replicate_groups]
+        _LIVE_GROUPS.extend(self._created_groups)
 
     def _destroy_process_groups(self) -> None:
-        for group in self._created_groups:
+        """Destroy the HSDP groups any earlier run of this strategy class created (they outlive its teardown, so
+        ``trainer.save_checkpoint`` and ``full_state_dict`` still work after ``fit``), and the meshes holding them."""
+        release_meshes()
+        for group in _LIVE_GROUPS:
             try:
                 dist.destroy_process_group(group)
             except (ValueError, RuntimeError):  # this rank is not a member, or it is already gone
                 pass
+        _LIVE_GROUPS.clear()
         self._created_groups = []
         self._shard_group = self._replicate_group = None
 
@@ -389,12 +397,15 @@ class RaggedFSDPStrategy(ParallelStrategy):
         # signal then only sets a flag that all ranks agree on at a batch end (preemption.py, issue 10).
         attach_slurm_requeue(trainer, self.cluster_environment)
         use_global_parameter_counts(trainer)  # ModelSummary counts unsharded parameters, not this rank's shards
+        refuse_weight_averaging(trainer)
         assert self.model is not None
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
         if getattr(self.model, "_ragged_fsdp_state", None) is None:
-            self.model = self._shard(self.model)
-        else:  # a second fit/validate/test with the same module: rebind to this run's groups
+            self.model = self._shard(apply_sync_batchnorm(self._layer_sync, self.model, self.root_device))
+            remember_settings(self.model, self._sharding_settings())
+        else:  # a second fit/validate/test with the same module: the same settings, rebound to this run's groups
+            check_reused_module(self.model, self._sharding_settings())
             self._rebind_process_groups(self.model)
         self.precision_plugin.sharded_module = self.model
         self.barrier()
@@ -404,6 +415,19 @@ class RaggedFSDPStrategy(ParallelStrategy):
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _sharding_settings(self) -> dict[str, str]:
+        """Everything that fixes how ``_shard`` shards a module, as text (checked when a later run reuses it)."""
+        settings = dict(
+            precision=self.precision_plugin.precision, mp_policy=self.precision_plugin.mp_policy(),
+            shard_granularity=self.shard_granularity, block_rows=self.block_rows, dbuffer_size=self.dbuffer_size,
+            planning_algorithm=self.planning_algorithm, reshard_after_forward=self.reshard_after_forward,
+            group_modules=self.group_modules, activation_checkpointing=self.activation_checkpointing,
+            replicate_degree=self.replicate_degree, sync_module_states=self.sync_module_states,
+            broadcast_buffers=self.broadcast_buffers, sync_batchnorm=self._layer_sync is not None,
+            **self._engine_kwargs,
+        )
+        return {key: describe(value) for key, value in settings.items()}
 
     def _shard(self, model: nn.Module) -> nn.Module:
         on_meta = has_meta_tensors(model)
@@ -601,9 +625,8 @@ class RaggedFSDPStrategy(ParallelStrategy):
 
     # -------------------------------------------------------------- teardown
     def teardown(self) -> None:
-        """Free the full buffers and gradients, destroy the HSDP groups; the shards stay usable."""
+        """Free the full buffers and gradients; the shards and the HSDP groups stay usable until the next run."""
         self.ragged_checkpoints.teardown()  # an asynchronous save still in flight
-        release_meshes()  # they hold process groups that are destroyed below
         model = self.model
         if model is not None and getattr(model, "_ragged_fsdp_state", None) is not None:
             state = get_state(model)
@@ -613,13 +636,16 @@ class RaggedFSDPStrategy(ParallelStrategy):
                 for param in dbuffer.sharded_params.values():
                     param.grad = None
                 dbuffer.sharded_grad = None
-        self._destroy_process_groups()
         assert self.cluster_environment is not None and self.accelerator is not None
         _optimizers_to_device(self.optimizers, torch.device("cpu"))
         self.cluster_environment.teardown()
         self.precision_plugin.teardown()
         self.accelerator.teardown()
         self.checkpoint_io.teardown()
+
+
+_LIVE_GROUPS: list[dist.ProcessGroup] = []
+"""HSDP groups built by a run and not destroyed yet: the next run's setup destroys them (or the process's exit)."""
 
 
 def _resolve_classes(model: nn.Module, specs: Sequence[ModuleSpec], knob: str) -> list[type]:

@@ -1,0 +1,92 @@
+"""What the strategy checks about a Trainer run before it shards: clear errors instead of silent surprises.
+
+- A module sharded by an earlier run keeps that run's layout, dtypes and hooks (its shards are
+  the parameters now); a later run with other sharding settings (``precision``, the knobs,
+  ``sync_batchnorm``) cannot apply them, so it is refused, naming each setting that changed.
+- Lightning's weight-averaging callbacks (``StochasticWeightAveraging``, ``WeightAveraging`` and
+  its EMA) copy the module into ``torch.optim.swa_utils.AveragedModel`` before it is sharded and
+  then average full tensors into 1-D shards; Lightning refuses SWA for its own sharded strategies,
+  and so does this one.
+- ``Trainer(sync_batchnorm=True)``: the BatchNorm layers become torch's ``SyncBatchNorm`` before
+  sharding (as Lightning's DDP and FSDP strategies do), which runs on accelerators only, so on CPU
+  a model with BatchNorm layers is refused up front rather than at the first forward.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import torch
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+import lightning.pytorch as pl
+
+SETTINGS_ATTRIBUTE = "_ragged_fsdp_settings"
+
+
+def describe(value: Any) -> str:
+    """A setting as text: callables by their qualified name (a lambda re-created in the same place compares equal)."""
+    if callable(value) and not isinstance(value, type):
+        return f"{getattr(value, '__module__', '?')}.{getattr(value, '__qualname__', repr(value))}"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(describe(item) for item in value) + "]"
+    return repr(value)
+
+
+def remember_settings(model: nn.Module, settings: Mapping[str, str]) -> None:
+    """Record on the sharded module how this run sharded it."""
+    model.__dict__[SETTINGS_ATTRIBUTE] = dict(settings)
+
+
+def check_reused_module(model: nn.Module, settings: Mapping[str, str]) -> None:
+    """A module sharded by an earlier run: refuse this run's settings where they differ from that run's."""
+    before = model.__dict__.get(SETTINGS_ATTRIBUTE)
+    if before is None:  # sharded outside the strategy (fully_shard by hand): nothing recorded to compare
+        return
+    changed = [f"{key} was {before.get(key, '(unset)')}, now {value}" for key, value in settings.items()
+               if before.get(key) != value]
+    if changed:
+        raise ValueError(
+            "RaggedFSDPStrategy: this module was sharded by an earlier Trainer run with other settings ("
+            + "; ".join(changed) + "). Its parameters are that run's shards (layout, dtypes, hooks) and cannot "
+            "take new ones. Use the same strategy and precision settings as that run, or pass a fresh, unsharded "
+            "module (rebuild it and resume with fit(ckpt_path=...) or load its consolidated weights)."
+        )
+
+
+def refuse_weight_averaging(trainer: "pl.Trainer") -> None:
+    """Lightning's SWA/EMA callbacks average a full copy into the shards: refuse them, naming the callback."""
+    from lightning.pytorch.callbacks import StochasticWeightAveraging
+
+    averaging: tuple[type, ...] = (StochasticWeightAveraging,)
+    try:
+        from lightning.pytorch.callbacks import WeightAveraging  # Lightning >= 2.5
+
+        averaging += (WeightAveraging,)
+    except ImportError:
+        pass
+    for callback in trainer.callbacks:
+        if isinstance(callback, averaging):
+            raise ValueError(
+                f"RaggedFSDPStrategy does not support the {type(callback).__name__} callback: it keeps an unsharded "
+                "torch.optim.swa_utils.AveragedModel copy of the module and averages its full tensors into this "
+                "strategy's 1-D shards (Lightning refuses SWA for its sharded strategies too). Remove the callback, "
+                "or keep the average of each shard yourself (e.g. a callback updating a copy of every parameter's "
+                "local shard after optimizer.step) and save it with the checkpoint."
+            )
+
+
+def apply_sync_batchnorm(layer_sync: Any, model: nn.Module, device: torch.device) -> nn.Module:
+    """``Trainer(sync_batchnorm=True)``: torch's SyncBatchNorm in place of BatchNorm, before sharding; CPU refused."""
+    if layer_sync is None:
+        return model
+    batchnorms = [name for name, module in model.named_modules() if isinstance(module, _BatchNorm)]
+    if batchnorms and device.type == "cpu":
+        raise ValueError(
+            f"Trainer(sync_batchnorm=True) with RaggedFSDPStrategy on CPU: torch's SyncBatchNorm, which would replace "
+            f"{', '.join(batchnorms[:3])}{', ...' if len(batchnorms) > 3 else ''}, runs on accelerators only (CUDA "
+            "and others), not on CPU. Remove sync_batchnorm=True on CPU (each rank then normalizes with its own "
+            "batch statistics, as DDP without it), or train on GPUs."
+        )
+    return layer_sync.apply(model)

@@ -207,7 +207,8 @@ def test_validate_test_predict_and_collectives(main_run: dict) -> None:
 
 def test_runs_it_cannot_honour_are_refused_with_the_reason(main_run: dict) -> None:
     reuse = main_run["refused_reuse_precision"]
-    assert reuse and "sharded by an earlier Trainer run" in reuse and "precision was '32-true', now 'bf16-true'" in reuse
+    assert reuse and "sharded by an earlier Trainer run" in reuse
+    assert "precision was '32-true', now 'bf16-true'" in reuse, reuse
     assert main_run["reuse_after_refusal_same_settings"]  # the module still serves a run with its own settings
     for name, callback in (("swa", "StochasticWeightAveraging"), ("ema", "EMAWeightAveraging")):
         message = main_run[f"refused_{name}"]

@@ -217,6 +217,25 @@ def test_runs_it_cannot_honour_are_refused_with_the_reason(main_run: dict) -> No
     assert sync and "sync_batchnorm=True" in sync and "probe_norm" in sync and "not on CPU" in sync, sync
 
 
+def test_settings_compare_by_value_not_identity() -> None:
+    """A reused module is refused only for a real change: equal settings built twice (a lambda written in the same
+    place, a new MixedPrecisionPolicy, Float8AllGather) describe alike; another value does not."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from lightning_ragged import Float8AllGather
+    from lightning_ragged.lightning.run_checks import describe
+
+    def fp8(tile: int) -> Float8AllGather:
+        return Float8AllGather(tile=tile, module_filter=lambda fqn, module: fqn != "head")
+
+    def policy(dtype: torch.dtype) -> MixedPrecisionPolicy:
+        return MixedPrecisionPolicy(param_dtype=dtype)
+
+    assert describe(fp8(128)) == describe(fp8(128)) != describe(fp8(64))
+    assert describe(policy(torch.bfloat16)) == describe(policy(torch.bfloat16)) != describe(policy(torch.float16))
+    assert describe(["Block", 2]) == describe(("Block", 2)) != describe(["Block", 3])
+
+
 def test_sync_batchnorm_converts_before_sharding_on_accelerators() -> None:
     """The conversion itself (Lightning's ``TorchSyncBatchNorm``, what ``sync_batchnorm=True`` sets), for a CUDA run:
     torch's conversion is device-independent, so it runs here; a model without BatchNorm passes through on CPU."""

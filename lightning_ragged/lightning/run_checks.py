@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Mapping
 
 import torch
@@ -26,11 +27,17 @@ SETTINGS_ATTRIBUTE = "_ragged_fsdp_settings"
 
 
 def describe(value: Any) -> str:
-    """A setting as text: callables by their qualified name (a lambda re-created in the same place compares equal)."""
+    """A setting as text: callables by their qualified name (a lambda re-created in the same place compares equal),
+    dataclasses (``MixedPrecisionPolicy``, ``Float8AllGather``) and containers by their parts."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        fields = ", ".join(f"{f.name}={describe(getattr(value, f.name))}" for f in dataclasses.fields(value))
+        return f"{type(value).__name__}({fields})"
     if callable(value) and not isinstance(value, type):
         return f"{getattr(value, '__module__', '?')}.{getattr(value, '__qualname__', repr(value))}"
     if isinstance(value, (list, tuple)):
         return "[" + ", ".join(describe(item) for item in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{key!r}: {describe(item)}" for key, item in value.items()) + "}"
     return repr(value)
 
 

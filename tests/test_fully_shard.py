@@ -41,8 +41,14 @@ def block_of_two_rows(name: str, param: torch.Tensor) -> int:
     return 2 * param.shape[1] if param.dim() == 2 else 1
 
 
-def check_training_matches_single_process(shard_kwargs: dict, accumulate: bool = False, batch: int = BATCH) -> dict:
-    """5 AdamW steps sharded vs the same model on one process; returns the max abs difference."""
+def check_training_matches_single_process(
+    shard_kwargs: dict, accumulate: bool = False, batch: int = BATCH, forwards: str = "one",
+) -> dict:
+    """5 AdamW steps sharded vs the same model on one process; returns the max abs difference.
+
+    ``forwards="two"``: each step's loss sums two forwards (the local batch's halves) before one
+    backward; ``"discarded"``: a forward with gradients enabled whose graph is dropped precedes it.
+    """
     data = make_batches(STEPS, batch)
     reference = make_model()
     reference_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
@@ -60,7 +66,12 @@ def check_training_matches_single_process(shard_kwargs: dict, accumulate: bool =
             reduces_after_first = state.stats.reduces
             (lm_loss(model, second) * len(second) / len(local)).backward()
             assert reduces_after_first == before, "no_sync micro-batch issued a reduction"
+        elif forwards == "two":  # two forwards, one backward (two views of a batch, a siamese loss)
+            first, second = local.chunk(2)
+            ((lm_loss(model, first) * len(first) + lm_loss(model, second) * len(second)) / len(local)).backward()
         else:
+            if forwards == "discarded":
+                lm_loss(model, local[:1])  # its graph dies unused; the next forward must not wait for its backward
             lm_loss(model, local).backward()
         reduces_per_step.append(state.stats.reduces - before)
         opt.step()
@@ -101,6 +112,60 @@ def test_training_matches_single_process(dist_pool, world_size, sharding):
     assert all(count == results[0]["dbuffers"] for count in results[0]["reduces_per_step"])
     if sharding == "row-small-dbuffers":
         assert results[0]["dbuffers"] > 3  # the small dbuffer_size really split groups into several buffers
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+@pytest.mark.parametrize("forwards", ["two", "discarded"])
+def test_forwards_without_their_own_backward_match_single_process(dist_pool, world_size, forwards):
+    """Two forwards summed into one loss (each block reduced once, after its last call's backward), and a forward
+    whose graph was dropped before the next one (released, not waited for)."""
+    results = dist_pool(world_size).run(
+        check_training_matches_single_process, dict(shard_granularity="row"), False, BATCH, forwards
+    )
+    assert max(r["max_diff"] for r in results) <= 1e-5, results[0]
+    assert all(count == results[0]["dbuffers"] for count in results[0]["reduces_per_step"]), results[0]
+
+
+class _AuxHead(nn.Module):
+    """Two blocks and a head in the root; an auxiliary head (also in the root) that only some batches use."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(4, 6)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 6)) for _ in range(2))
+        self.out = nn.Linear(6, 3)
+        self.aux = nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor, use_aux: bool) -> torch.Tensor:
+        h = self.inp(x)
+        for block in self.blocks:
+            h = h + block(h)
+        return self.out(h) + self.aux(h) if use_aux else self.out(h)
+
+
+def check_root_parameter_used_on_some_ranks() -> float:
+    """3 SGD steps; step s uses the auxiliary head on rank s % world only. DDP (find_unused_parameters) is the oracle."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    ddp = nn.parallel.DistributedDataParallel(_AuxHead(), find_unused_parameters=True)
+    torch.manual_seed(0)
+    model = lr.fully_shard(_AuxHead(), group_modules=[nn.Sequential])
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ddp, model)]
+    generator = torch.Generator().manual_seed(rank)
+    for step in range(3):
+        x, y = torch.randn(4, 4, generator=generator), torch.randn(4, 3, generator=generator)
+        for net, optimizer in zip((ddp, model), optimizers):
+            nn.functional.mse_loss(net(x, rank == step % world), y).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    return _max_diff(lr.full_state_dict(model), ddp.module)
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_root_parameter_used_on_some_ranks_only_matches_ddp(dist_pool, world_size):
+    """The root reduces at the end of backward on every rank, in the same order (a rank-local trigger reordered the
+    ranks' collectives: gloo aborted on the size mismatch)."""
+    assert max(dist_pool(world_size).run(check_root_parameter_used_on_some_ranks)) <= 1e-6
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
@@ -234,13 +299,13 @@ def test_collectives_per_step(dist_pool):
     # the root is split where blocks come between its parameters: embeddings | final norm
     assert result["root_buffers"] == 2
     assert result["all_gathers"] == 2 * result["block_buffers"] + result["root_buffers"]
-    # each buffer is reduced as soon as its own gradients are done: the final norm first,
-    # then the blocks in reverse, the embeddings last
+    # each block is reduced at its post-backward (in reverse), the root's buffers at the end of backward in their
+    # order (embeddings, then the final norm): the same points and order on every rank whatever its data
     assert [sorted(names) for names in result["reduced"]] == [
-        ["norm.bias", "norm.weight"],
         sorted(n for n, _ in make_model().blocks[1].named_parameters(prefix="blocks.1")),
         sorted(n for n, _ in make_model().blocks[0].named_parameters(prefix="blocks.0")),
         ["embed.weight", "pos"],
+        ["norm.bias", "norm.weight"],
     ], result["reduced"]
     assert result["reduces"] == result["buffers"]
     non_root_bytes = result["all_gather_bytes"] - result["buffer_bytes"]

@@ -112,7 +112,6 @@ class DBuffer:
         self._landed: set[str] = set()
         """Parameters whose gradient is in the buffer since it was allocated (``_land_by_copy`` only)."""
         self._padding = storage.padding(layout, self.world_size * segment)
-        self._awaiting: set[str] = set()
         self._used: set[str] = set()
         self._partial: torch.Tensor | None = None  # the part kept by ``partial_reshard``, until gathered
         self.partial_reshard: PartialReshard | None = None  # reshard_after_forward=int: its smaller gather group
@@ -311,12 +310,8 @@ class DBuffer:
             if param.requires_grad:
                 param.grad = self._unsharded_grad_views[name]
 
-    def begin_backward(self) -> None:
-        """Start counting this backward's gradients (see :meth:`grad_arrived`)."""
-        self._awaiting = {name for name, p in self.unsharded_params.items() if p.requires_grad}
-
-    def grad_arrived(self, name: str) -> bool:
-        """Record that autograd finished ``name``'s gradient; True when it was the last one awaited.
+    def grad_arrived(self, name: str) -> None:
+        """Land ``name``'s gradient, which autograd just finished, and record that it was used.
 
         The first gradient of the DBuffer allocates the buffer. A gradient autograd produced
         as a tensor of its own is cast-copied (its first) or added into its view; with
@@ -337,10 +332,6 @@ class DBuffer:
                 self._landed.add(name)
             param.grad = None if self._land_by_copy else view
         self._used.add(name)
-        if name not in self._awaiting:
-            return False
-        self._awaiting.discard(name)
-        return not self._awaiting
 
     def reduce_grad(self, async_op: bool = True) -> None:
         """Sum the flat gradient buffer over the shard group: into S in place (pairwise, all-reduce) or apart (reduce-scatter)."""
@@ -403,7 +394,6 @@ class DBuffer:
         if self._pending_reduce is not None:
             self._pending_reduce.wait()
             self._pending_reduce = None
-        self._awaiting.clear()
         self._used.clear()
         self.free_unsharded_grad()
         self._partial = None  # a kept 1/n of the buffer (reshard_after_forward=int) would be gathered stale

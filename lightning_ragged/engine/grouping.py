@@ -32,7 +32,7 @@ class ParamGroupPlan:
 
     ``runs`` splits the parameters where parameters of other groups come between them
     in module order (the root's embeddings before the blocks, its head after them), so
-    each run gets its own DBuffer and is reduced as soon as its own gradients are done.
+    each run gets its own DBuffer (one contiguous flat buffer per run of parameters).
     """
 
     name: str

@@ -31,6 +31,7 @@ rank runs the same modules (a parameter may be unused on some ranks; a whole gro
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Iterator
 
 import torch
@@ -60,6 +61,10 @@ class RaggedFSDPState:
         """Groups in the order the current (or last) forward ran them."""
         self._previous_order: list[ShardGroup] = []
         self._root_depth = 0
+        self.forward_token: _ForwardToken | None = None
+        """This step's root forward while it runs; every ``_PostBackward`` node of it holds it (so does its graph)."""
+        self._previous_forward: weakref.ref | None = None
+        """The last root forward's token: alive while its autograd graph is, i.e. while its backward may come."""
         self._in_backward = False
         self._in_flight: list[DBuffer] = []
         self._reduced: list[DBuffer] = []
@@ -127,17 +132,27 @@ class RaggedFSDPState:
         self._root_depth = max(0, self._root_depth - 1)
         if self._root_depth == 0:
             self._buffers_need_sync = torch.is_grad_enabled() and self.requires_gradient_sync
+            self.forward_token = None  # from now on only its graph keeps it alive
         if self._root_depth == 0 and not torch.is_grad_enabled():  # evaluation: no backward will follow
             for group in self.all_groups:
                 group.reshard_after_backward_step()
 
     def _begin_step(self) -> None:
         """Recover from a backward that raised, release what a backward-less forward kept,
-        mirror ``requires_grad`` changes, restart the recorded forward order."""
+        mirror ``requires_grad`` changes, restart the recorded forward order.
+
+        A forward whose graph is still alive may yet get its backward, also one shared with this
+        forward's (``(f(model(a)) + f(model(b))).backward()``): its calls stay counted, so each
+        group finishes after the backward of its last call. Only a forward whose graph is gone
+        (discarded, or it raised) is released here.
+        """
         if self._in_backward:
             self.recover()
+        pending = self._previous_forward is not None and self._previous_forward() is not None
+        self.forward_token = _ForwardToken()
+        self._previous_forward = weakref.ref(self.forward_token)
         for group in self.all_groups:
-            if group.forward_calls:  # the last forward recorded a graph (or raised) but no backward ran
+            if group.forward_calls and not pending:  # the last forward recorded a graph (or raised), now freed
                 if group.reshard_after_backward:
                     group.reshard()
                 group.end_backward()
@@ -259,13 +274,15 @@ class RaggedFSDPState:
         self._prefetch(group, forward=False)
 
     def grad_arrived(self, group: ShardGroup, dbuffer: DBuffer, name: str) -> None:
-        """A parameter's gradient is complete; the root's DBuffers reduce as soon as all of theirs are.
+        """A parameter's gradient is complete: it lands in its DBuffer's gradient buffer.
 
-        Only the reduction starts early (it reads gradients only); the root's full
-        parameters stay until the end of backward. Blocks reduce at their post-backward.
+        Blocks reduce at their post-backward, the root at the end of backward (as FSDP2's
+        root): every rank issues its reductions at the same points in the same order. (Reducing
+        a root DBuffer once its gradients were all in here put its collective at a point that
+        depends on this rank's data: a parameter used on some ranks only reordered the ranks'
+        collectives.)
         """
-        if dbuffer.grad_arrived(name) and group.is_root and self.requires_gradient_sync:
-            self._reduce(dbuffer)
+        dbuffer.grad_arrived(name)
 
     def post_backward(self, group: ShardGroup) -> None:
         """The module's backward is done: reduce its trainable DBuffers, then free its full parameters."""
@@ -398,10 +415,14 @@ class _PostBackward(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, state: RaggedFSDPState, group: ShardGroup, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        ctx.state, ctx.group = state, group
+        ctx.state, ctx.group, ctx.token = state, group, state.forward_token
         return tuple(t.view_as(t) for t in inputs)
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
         ctx.state.post_backward(ctx.group)
         return (None, None, *grads)
+
+
+class _ForwardToken:
+    """One root forward, held by its ``_PostBackward`` nodes: its weak reference dies with the forward's graph."""

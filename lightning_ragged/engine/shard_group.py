@@ -117,10 +117,8 @@ class ShardGroup:
 
     # ------------------------------------------------------------- gradients
     def prepare_backward(self) -> None:
-        """Unshard for backward and start counting gradients (each gradient buffer waits for its first one)."""
+        """Unshard for backward (each gradient buffer is allocated at its first gradient)."""
         self.use_unsharded()
-        for dbuffer in self.dbuffers:
-            dbuffer.begin_backward()
         self.backward_prepared = True
 
     def end_backward(self) -> None:

@@ -168,6 +168,30 @@ def test_root_parameter_used_on_some_ranks_only_matches_ddp(dist_pool, world_siz
     assert max(dist_pool(world_size).run(check_root_parameter_used_on_some_ranks)) <= 1e-6
 
 
+def check_weight_tied_across_separate_calls() -> list[str]:
+    """FSDP2's call pattern (each block, then the root) on blocks that share a weight: refused, not untied."""
+    from tests.models import TinyLM
+
+    torch.manual_seed(0)
+    model = TinyLM(layers=3)
+    model.blocks[2].up.weight = model.blocks[0].up.weight
+    lr.fully_shard(model.blocks[0])
+    messages = []
+    for target in (model.blocks[2], model):  # the other user of the weight, and the parent holding it
+        try:
+            lr.fully_shard(target)
+            messages.append("accepted")
+        except ValueError as error:
+            messages.append(str(error))
+    return messages
+
+
+def test_weight_tied_across_separately_sharded_blocks_is_refused(dist_pool):
+    block, parent = dist_pool(2).run(check_weight_tied_across_separate_calls)[0]
+    assert "parameter 'up.weight' of TinyBlock is shared with a parameter already sharded" in block, block
+    assert "parameter 'blocks.2.up.weight' of TinyLM is shared" in parent, parent
+
+
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_no_sync_accumulation_matches_single_process(dist_pool, world_size):
     results = dist_pool(world_size).run(check_training_matches_single_process, dict(shard_granularity="row"), True)
@@ -351,6 +375,49 @@ def test_mixed_precision_bf16(dist_pool):
         mean_loss = [sum(r["losses"][i] for r in results) / len(results) for i in range(STEPS)]
         assert max(abs(a - b) for a, b in zip(mean_loss, result["reference"])) < 0.05, (mean_loss, result)
         assert mean_loss[-1] < mean_loss[0]
+
+
+def check_output_dtype_as_fsdp2() -> dict:
+    """``output_dtype=fp32`` on the root's policy (bf16 compute, fp32 reduction): the model's logits come out in
+    fp32 and the blocks' outputs stay bf16, as FSDP2 casts each sharded module's output by its own policy; the
+    single call and FSDP2's call pattern (each block, then the root) against FSDP2's, 3 AdamW steps each."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    blocks = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    root = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=torch.float32)
+    single = lr.fully_shard(make_model(), mp_policy=root, group_modules=[TinyBlock])
+    pattern, theirs = make_model(), make_model()
+    for block in pattern.blocks:
+        lr.fully_shard(block, mp_policy=blocks)
+    lr.fully_shard(pattern, mp_policy=root)
+    for block in theirs.blocks:
+        fully_shard(block, mp_policy=blocks)
+    fully_shard(theirs, mp_policy=root)
+    models = {"single": single, "pattern": pattern, "theirs": theirs}
+    seen: dict[str, dict[str, set]] = {key: {"block": set(), "logits": set()} for key in models}
+    losses: dict[str, list[float]] = {key: [] for key in models}
+    data = make_batches(3, BATCH)
+    for key, model in models.items():
+        model.blocks[0].register_forward_hook(lambda _m, _a, out, key=key: seen[key]["block"].add(str(out.dtype)))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        for step in range(3):
+            tokens = _local(data[step])
+            logits = model(tokens[:, :-1])
+            seen[key]["logits"].add(str(logits.dtype))
+            loss = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses[key].append(loss.item())
+    return {"seen": seen, "losses": losses}
+
+
+def test_output_dtype_casts_module_outputs_as_fsdp2(dist_pool):
+    for result in dist_pool(2).run(check_output_dtype_as_fsdp2):
+        for key in ("single", "pattern", "theirs"):
+            assert result["seen"][key] == {"block": {"torch.bfloat16"}, "logits": {"torch.float32"}}, result
+        for key in ("single", "pattern"):  # bf16 compute: FSDP2's own rounding is the yardstick, same kernels here
+            assert max(abs(a - b) for a, b in zip(result["losses"][key], result["losses"]["theirs"])) <= 1e-5, result
 
 
 def check_full_state_dict_round_trip() -> float:

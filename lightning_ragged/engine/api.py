@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.utils.weak import WeakIdKeyDictionary
 
 from lightning_ragged.engine.auto_grouping import auto_groups
 from lightning_ragged.engine.checks import check_flag
@@ -165,6 +166,9 @@ def fully_shard(
                 f"{paths[id(child.root)]!r} was sharded over other process groups than this fully_shard call's: "
                 "pass the same process_group and replicate_group to every fully_shard call of one model"
             )
+    children_params = {id(p) for child in children for group in child.all_groups for _b, _n, p in _group_params(group)}
+    claimed = [p for p in module.parameters() if id(p) not in children_params]
+    _refuse_sharded_twice(module, claimed)  # before anything of the children is changed
     for child in children:
         for handle in child.handles:
             handle.remove()
@@ -228,6 +232,8 @@ def fully_shard(
             members=group_plan.members or None,
         )
         group.mp_policy = mp_policy
+        if is_root and mp_policy is not None:
+            group.output_dtype = mp_policy.output_dtype
         new_groups.append(group)
 
     if sync_module_states:
@@ -247,6 +253,8 @@ def fully_shard(
     make_save_pretrained_gather(module)
     for submodule in module.modules():
         submodule.__dict__["_ragged_fsdp_state"] = state
+    for param in claimed:
+        _SHARDED[param] = f"the call on {type(module).__name__}"
     return module
 
 
@@ -359,6 +367,27 @@ def _smallest_element(*dtypes: torch.dtype | None) -> int:
     return min(torch.empty((), dtype=d).element_size() for d in dtypes if d is not None)
 
 
+_SHARDED: WeakIdKeyDictionary = WeakIdKeyDictionary()
+"""Every parameter some ``fully_shard`` call sharded, and where (a parameter is owned by one DBuffer)."""
+
+
+def _refuse_sharded_twice(module: nn.Module, params: list[nn.Parameter]) -> None:
+    """Refuse a parameter an earlier ``fully_shard`` call sharded (a weight tied across separately sharded modules).
+
+    Sharded twice, it would become two independent copies: untied silently. FSDP2 refuses it too.
+    """
+    names = {id(p): name for name, p in module.named_parameters(remove_duplicate=False)}
+    for param in params:
+        where = _SHARDED.get(param)
+        if where is not None:
+            raise ValueError(
+                f"parameter {names.get(id(param), '?')!r} of {type(module).__name__} is shared with a parameter "
+                f"already sharded by another fully_shard call ({where}); sharding it again would untie them. "
+                "Shard the modules that share it in one fully_shard call (their common parent: a tied parameter "
+                "then goes to the group that contains all its users), or untie it"
+            )
+
+
 _PARTIAL_GROUPS: dict[tuple[tuple[int, ...], int], dist.ProcessGroup] = {}
 
 
@@ -398,10 +427,11 @@ def _install_hooks(state: RaggedFSDPState) -> None:
             return state.pre_forward(root_group, args, kwargs)
         return args, kwargs
 
-    def root_post_hook(_module: nn.Module, _args: tuple, output: Any) -> None:
+    def root_post_hook(_module: nn.Module, _args: tuple, output: Any) -> Any:
         if root_group is not None:
-            state.post_forward(root_group, output)
+            output = state.post_forward(root_group, output)
         state.root_post_forward()
+        return output
 
     handles = state.handles
     handles.append(root.register_forward_pre_hook(eager(root_pre_hook), with_kwargs=True))

@@ -202,15 +202,16 @@ class RaggedFSDPState:
                 args, kwargs = self._register_post_backward(group, args, kwargs)
         return args, kwargs
 
-    def post_forward(self, group: ShardGroup, output: Any) -> None:
+    def post_forward(self, group: ShardGroup, output: Any) -> Any:
+        """The group's module returned ``output``: hook its backward, reshard; the output in ``output_dtype``."""
         if torch.is_grad_enabled():
             self.hook_backward(group, output)
-        if self._in_backward or group.is_root:
-            return  # the root stays unsharded for its backward; a recomputation for its backward
-        if not torch.is_grad_enabled():
-            group.reshard()
-        elif not (self.keep_last_unsharded and self._previous_order and group is self._previous_order[-1]):
-            group.reshard_after_forward_step()
+        if not (self._in_backward or group.is_root):  # the root stays unsharded for its backward
+            if not torch.is_grad_enabled():
+                group.reshard()
+            elif not (self.keep_last_unsharded and self._previous_order and group is self._previous_order[-1]):
+                group.reshard_after_forward_step()
+        return _cast_outputs(group, output)
 
     def hook_backward(self, group: ShardGroup, output: Any) -> None:
         tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
@@ -386,6 +387,14 @@ def eager(hook: Any) -> Any:
     user code to Dynamo, which would trace it and break the graph at the disabled call.
     """
     return torch.compiler.disable(hook, recursive=True)
+
+
+def _cast_outputs(group: ShardGroup, output: Any) -> Any:
+    """``MixedPrecisionPolicy.output_dtype``: the sharded module's floating-point outputs in that dtype (FSDP2's rule)."""
+    dtype = group.output_dtype
+    if dtype is None:
+        return output
+    return tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, output)
 
 
 def _autograd_running() -> bool:

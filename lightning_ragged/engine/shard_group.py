@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Callable, Iterator
 
+import torch
 from torch import nn
 
 from lightning_ragged.engine.dbuffer import DBuffer
@@ -48,6 +49,10 @@ class ShardGroup:
         """Groups to all-gather when this one's forward starts (None: the recorded order)."""
         self.backward_prefetch: list[ShardGroup] | None = None
         self.mp_policy = None
+        self.output_dtype: torch.dtype | None = None
+        """The module's floating-point outputs cast to this dtype: ``mp_policy.output_dtype`` of the group whose
+        module a ``fully_shard`` call was given (FSDP2 casts each sharded module's output; blocks grouped inside
+        one call are not cast, their outputs feed the next block in the compute dtype)."""
         self.forward_calls = 0
         """Forward calls of this step whose backward has not finished yet."""
         self.backward_prepared = False

@@ -25,7 +25,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
-from torch.utils.weak import WeakIdKeyDictionary
 
 from lightning_ragged.engine.auto_grouping import auto_groups
 from lightning_ragged.engine.checks import check_flag
@@ -35,6 +34,7 @@ from lightning_ragged.engine.fp8_gather import Float8AllGather, Fp8Gather, fp8_p
 from lightning_ragged.engine.fsdp_module import make_fsdp_module, make_save_pretrained_gather
 from lightning_ragged.layout.auto import AutoPlan
 from lightning_ragged.layout.granularity import GranularityPolicy, resolve_granularity
+from lightning_ragged.engine.ownership import claim, refuse_sharded_twice
 from lightning_ragged.engine.grouping import GroupSpec, ParamGroupPlan, parameter_slots, plan_groups, split_into_dbuffers
 from lightning_ragged.layout.planner import plan
 from lightning_ragged.layout.spec import TensorSpec
@@ -166,9 +166,8 @@ def fully_shard(
                 f"{paths[id(child.root)]!r} was sharded over other process groups than this fully_shard call's: "
                 "pass the same process_group and replicate_group to every fully_shard call of one model"
             )
-    children_params = {id(p) for child in children for group in child.all_groups for _b, _n, p in _group_params(group)}
-    claimed = [p for p in module.parameters() if id(p) not in children_params]
-    _refuse_sharded_twice(module, claimed)  # before anything of the children is changed
+    taken = {id(p) for child in children for group in child.all_groups for _b, _n, p in _group_params(group)}
+    claimed = refuse_sharded_twice(module, taken)  # before anything of the children is changed
     for child in children:
         for handle in child.handles:
             handle.remove()
@@ -179,7 +178,6 @@ def fully_shard(
             for dbuffer in group.dbuffers:
                 dbuffer.stats = stats
         adopted += child.all_groups
-    taken = {id(p) for group in adopted for _b, _n, p in _group_params(group)}
     if children:
         own = ParamGroupPlan("root", module)
         for index, (name, param) in enumerate(module.named_parameters()):
@@ -232,8 +230,7 @@ def fully_shard(
             members=group_plan.members or None,
         )
         group.mp_policy = mp_policy
-        if is_root and mp_policy is not None:
-            group.output_dtype = mp_policy.output_dtype
+        group.output_dtype = mp_policy.output_dtype if is_root and mp_policy is not None else None
         new_groups.append(group)
 
     if sync_module_states:
@@ -253,8 +250,7 @@ def fully_shard(
     make_save_pretrained_gather(module)
     for submodule in module.modules():
         submodule.__dict__["_ragged_fsdp_state"] = state
-    for param in claimed:
-        _SHARDED[param] = f"the call on {type(module).__name__}"
+    claim(module, claimed)
     return module
 
 
@@ -367,27 +363,6 @@ def _smallest_element(*dtypes: torch.dtype | None) -> int:
     return min(torch.empty((), dtype=d).element_size() for d in dtypes if d is not None)
 
 
-_SHARDED: WeakIdKeyDictionary = WeakIdKeyDictionary()
-"""Every parameter some ``fully_shard`` call sharded, and where (a parameter is owned by one DBuffer)."""
-
-
-def _refuse_sharded_twice(module: nn.Module, params: list[nn.Parameter]) -> None:
-    """Refuse a parameter an earlier ``fully_shard`` call sharded (a weight tied across separately sharded modules).
-
-    Sharded twice, it would become two independent copies: untied silently. FSDP2 refuses it too.
-    """
-    names = {id(p): name for name, p in module.named_parameters(remove_duplicate=False)}
-    for param in params:
-        where = _SHARDED.get(param)
-        if where is not None:
-            raise ValueError(
-                f"parameter {names.get(id(param), '?')!r} of {type(module).__name__} is shared with a parameter "
-                f"already sharded by another fully_shard call ({where}); sharding it again would untie them. "
-                "Shard the modules that share it in one fully_shard call (their common parent: a tied parameter "
-                "then goes to the group that contains all its users), or untie it"
-            )
-
-
 _PARTIAL_GROUPS: dict[tuple[tuple[int, ...], int], dist.ProcessGroup] = {}
 
 
@@ -428,8 +403,7 @@ def _install_hooks(state: RaggedFSDPState) -> None:
         return args, kwargs
 
     def root_post_hook(_module: nn.Module, _args: tuple, output: Any) -> Any:
-        if root_group is not None:
-            output = state.post_forward(root_group, output)
+        output = state.post_forward(root_group, output) if root_group is not None else output
         state.root_post_forward()
         return output
 

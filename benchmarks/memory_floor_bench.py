@@ -198,14 +198,12 @@ def section(results: dict[tuple[int, str], list[dict]]) -> str:
     head = sum(p.numel() for p in [*model.head.parameters(), *model.ln_f.parameters()])
     total = sum(p.numel() for p in model.parameters())
     for (world, precision), gathered in results.items():
-        pairwise, all_reduce = (peak_of(gathered, name)["peak_bytes"] for name in ("ragged", "ragged-allreduce"))
-        scratch = head * 4 * (world - 1) / world
+        pairwise, all_reduce = (peak_of(gathered, name) for name in ("ragged", "ragged-allreduce"))
         lines.append(
-            f"- W={world} {precision}: the pairwise reduction's peak is {mib(pairwise - all_reduce, '+.1f')} MiB over "
-            "the in-place all-reduce's"
-            + (f", the size of the head DBuffer's scratch ((W-1)/W of the final norm's and head's {head / 1e6:.2f}M "
-               f"fp32 gradients, {mib(scratch)} MiB; that DBuffer is reduced first, so its reduction is in flight "
-               "during the next block's backward)." if abs(pairwise - all_reduce - scratch) < 2**18 else ".")
+            f"- W={world} {precision}: the pairwise reduction's peak is "
+            f"{mib(pairwise['peak_bytes'] - all_reduce['peak_bytes'], '+.1f')} MiB over the in-place all-reduce's "
+            f"(its scratch in flight at the peak: {mib(pairwise['held']['reduction'])} MiB, (W-1)/W of the reducing "
+            "DBuffer's fp32 gradients)."
         )
     def over(gathered: list[dict]) -> bool:
         return peak_of(gathered, "ragged")["peak_bytes"] > peak_of(gathered, "fsdp2")["peak_bytes"]
@@ -233,15 +231,16 @@ def section(results: dict[tuple[int, str], list[dict]]) -> str:
         lines += [
             "",
             "Why: lightning_ragged casts each bf16 gradient into its DBuffer's fp32 gradient buffer as it arrives "
-            "(`reduce_dtype=fp32`) and reduces the root's head DBuffer (final norm and head, "
-            f"{head / 1e6:.2f}M parameters: {mib(head * 4)} MiB in fp32) as soon as its gradients are complete, "
-            "overlapping the blocks' backward; so that buffer, the running block's fp32 buffer and the scratch are "
-            "alive while most activations still are. FSDP2 keeps the root's gradients in bf16 on its unsharded "
-            "parameters and reduce-scatters the root in fp32 only at the end of backward (its root post-backward "
-            "callback), when the activations are gone. Deferring the root's reduction as FSDP2 does would trade the "
-            "head reduction's overlap for this memory; not done: on this model the final norm and head are "
-            f"{head / total:.0%} of the parameters, and whether this matters at a GPU peak (where the logits "
-            "dominate) is `benchmarks/gpu.py`'s to measure.",
+            "(`reduce_dtype=fp32`). The root's (final norm and head here, "
+            f"{head / 1e6:.2f}M parameters: {mib(head * 4)} MiB in fp32) stays there until the root's reduction at "
+            "the end of backward, and the previous block's buffer stays while its reduction is in flight beside the "
+            "running block's (at most one in flight), with the pairwise scratch. FSDP2 reduces its root at the end of "
+            "backward too (its root post-backward callback), but until then keeps each gradient in bf16 on the "
+            "unsharded parameter and casts it to fp32 only for the reduce-scatter: half the bytes held through the "
+            "blocks' backward. Keeping gradients in the compute dtype until the reduction would close this; not "
+            f"done: on this model the final norm and head are {head / total:.0%} of the parameters (more than in "
+            "most LLMs), and whether it matters at a GPU peak (where the logits dominate) is `benchmarks/gpu.py`'s "
+            "to measure.",
         ]
     return "\n".join(lines)
 

@@ -66,9 +66,18 @@ def check_training_matches_single_process(
             reduces_after_first = state.stats.reduces
             (lm_loss(model, second) * len(second) / len(local)).backward()
             assert reduces_after_first == before, "no_sync micro-batch issued a reduction"
-        elif forwards == "two":  # two forwards, one backward (two views of a batch, a siamese loss)
+        elif forwards in ("two", "two-eval-between", "two-backwards"):  # two views of a batch, a siamese loss
             first, second = local.chunk(2)
-            ((lm_loss(model, first) * len(first) + lm_loss(model, second) * len(second)) / len(local)).backward()
+            losses = [lm_loss(model, first) * len(first) / len(local)]
+            if forwards == "two-eval-between":
+                with torch.no_grad():
+                    model(local[:, :-1])  # e.g. pseudo-labels: no graph, no backward
+            losses.append(lm_loss(model, second) * len(second) / len(local))
+            if forwards == "two-backwards":
+                losses[0].backward()
+                losses[1].backward()
+            else:
+                (losses[0] + losses[1]).backward()
         else:
             if forwards == "discarded":
                 lm_loss(model, local[:1])  # its graph dies unused; the next forward must not wait for its backward
@@ -115,15 +124,17 @@ def test_training_matches_single_process(dist_pool, world_size, sharding):
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
-@pytest.mark.parametrize("forwards", ["two", "discarded"])
+@pytest.mark.parametrize("forwards", ["two", "two-eval-between", "two-backwards", "discarded"])
 def test_forwards_without_their_own_backward_match_single_process(dist_pool, world_size, forwards):
-    """Two forwards summed into one loss (each block reduced once, after its last call's backward), and a forward
-    whose graph was dropped before the next one (released, not waited for)."""
+    """Two forwards summed into one loss (each block reduced once, after its last call's backward; also with a
+    no-grad forward between them), two forwards each with its own backward (each backward reduces what it ran),
+    and a forward whose graph was dropped before the next one (released, not waited for)."""
     results = dist_pool(world_size).run(
         check_training_matches_single_process, dict(shard_granularity="row"), False, BATCH, forwards
     )
     assert max(r["max_diff"] for r in results) <= 1e-5, results[0]
-    assert all(count == results[0]["dbuffers"] for count in results[0]["reduces_per_step"]), results[0]
+    per_step = results[0]["dbuffers"] * (2 if forwards == "two-backwards" else 1)
+    assert all(count == per_step for count in results[0]["reduces_per_step"]), results[0]
 
 
 class _AuxHead(nn.Module):
@@ -184,6 +195,24 @@ def check_weight_tied_across_separate_calls() -> list[str]:
         except ValueError as error:
             messages.append(str(error))
     return messages
+
+
+def check_module_shared_by_separately_sharded_blocks() -> str:
+    """One submodule inside two blocks sharded by separate calls: the second call would shard the first's shards."""
+    torch.manual_seed(0)
+    shared = nn.Linear(4, 4)
+    first, second = nn.Sequential(shared, nn.Linear(4, 4)), nn.Sequential(nn.Linear(4, 4), shared)
+    lr.fully_shard(first)
+    try:
+        lr.fully_shard(second)
+    except ValueError as error:
+        return str(error)
+    return "accepted"
+
+
+def test_module_shared_by_separately_sharded_blocks_is_refused(dist_pool):
+    message = dist_pool(2).run(check_module_shared_by_separately_sharded_blocks)[0]
+    assert "is shared with a parameter already sharded by another fully_shard call" in message, message
 
 
 def test_weight_tied_across_separately_sharded_blocks_is_refused(dist_pool):

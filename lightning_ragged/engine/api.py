@@ -250,7 +250,7 @@ def fully_shard(
     make_save_pretrained_gather(module)
     for submodule in module.modules():
         submodule.__dict__["_ragged_fsdp_state"] = state
-    claim(module, claimed)
+    claim(module, claimed + [p for group in new_groups for _b, _n, p in _group_params(group)])
     return module
 
 
@@ -398,14 +398,13 @@ def _install_hooks(state: RaggedFSDPState) -> None:
 
     def root_pre_hook(_module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         state.root_pre_forward()
-        if root_group is not None:
-            return state.pre_forward(root_group, args, kwargs)
-        return args, kwargs
+        return state.pre_forward(root_group, args, kwargs) if root_group is not None else (args, kwargs)
 
     def root_post_hook(_module: nn.Module, _args: tuple, output: Any) -> Any:
-        output = state.post_forward(root_group, output) if root_group is not None else output
-        state.root_post_forward()
-        return output
+        try:
+            return state.post_forward(root_group, output) if root_group is not None else output
+        finally:
+            state.root_post_forward()
 
     handles = state.handles
     handles.append(root.register_forward_pre_hook(eager(root_pre_hook), with_kwargs=True))

@@ -61,10 +61,6 @@ class RaggedFSDPState:
         """Groups in the order the current (or last) forward ran them."""
         self._previous_order: list[ShardGroup] = []
         self._root_depth = 0
-        self.forward_token: _ForwardToken | None = None
-        """This step's root forward while it runs; every ``_PostBackward`` node of it holds it (so does its graph)."""
-        self._previous_forward: weakref.ref | None = None
-        """The last root forward's token: alive while its autograd graph is, i.e. while its backward may come."""
         self._in_backward = False
         self._in_flight: list[DBuffer] = []
         self._reduced: list[DBuffer] = []
@@ -132,7 +128,6 @@ class RaggedFSDPState:
         self._root_depth = max(0, self._root_depth - 1)
         if self._root_depth == 0:
             self._buffers_need_sync = torch.is_grad_enabled() and self.requires_gradient_sync
-            self.forward_token = None  # from now on only its graph keeps it alive
         if self._root_depth == 0 and not torch.is_grad_enabled():  # evaluation: no backward will follow
             for group in self.all_groups:
                 group.reshard_after_backward_step()
@@ -141,18 +136,14 @@ class RaggedFSDPState:
         """Recover from a backward that raised, release what a backward-less forward kept,
         mirror ``requires_grad`` changes, restart the recorded forward order.
 
-        A forward whose graph is still alive may yet get its backward, also one shared with this
-        forward's (``(f(model(a)) + f(model(b))).backward()``): its calls stay counted, so each
-        group finishes after the backward of its last call. Only a forward whose graph is gone
-        (discarded, or it raised) is released here.
+        A forward whose backward is still to come (``(f(model(a)) + f(model(b))).backward()``)
+        loses nothing here: each group counts the calls its next backward runs when that
+        backward reaches it (``pre_backward``), not the forwards.
         """
         if self._in_backward:
             self.recover()
-        pending = self._previous_forward is not None and self._previous_forward() is not None
-        self.forward_token = _ForwardToken()
-        self._previous_forward = weakref.ref(self.forward_token)
         for group in self.all_groups:
-            if group.forward_calls and not pending:  # the last forward recorded a graph (or raised), now freed
+            if group.forward_calls:  # the last forward recorded a graph (or raised) but no backward ran
                 if group.reshard_after_backward:
                     group.reshard()
                 group.end_backward()
@@ -224,6 +215,7 @@ class RaggedFSDPState:
         if not positions:
             return args, kwargs  # nothing upstream needs a gradient: finished at the end of backward
         outputs = _PostBackward.apply(self, group, *[flat[i] for i in positions])
+        group.backward_nodes.append(weakref.ref(outputs[0].grad_fn))
         for i, value in zip(positions, outputs):
             flat[i] = value
         return tree_unflatten(flat, spec)
@@ -271,6 +263,7 @@ class RaggedFSDPState:
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward_hook)
         if group.backward_prepared:
             return  # already prepared by an earlier output hook of this backward
+        group.count_backward_calls()
         group.prepare_backward()
         self._prefetch(group, forward=False)
 
@@ -287,9 +280,9 @@ class RaggedFSDPState:
 
     def post_backward(self, group: ShardGroup) -> None:
         """The module's backward is done: reduce its trainable DBuffers, then free its full parameters."""
-        group.forward_calls -= 1
-        if group.forward_calls > 0:
-            return  # the module ran several times this step; wait for its earliest call's backward
+        group.backward_calls -= 1
+        if group.backward_calls > 0:
+            return  # this backward runs more calls of the module; wait for the last one's
         self._finish_group(group)
 
     def _finish_group(self, group: ShardGroup) -> None:
@@ -424,7 +417,7 @@ class _PostBackward(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, state: RaggedFSDPState, group: ShardGroup, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        ctx.state, ctx.group, ctx.token = state, group, state.forward_token
+        ctx.state, ctx.group = state, group
         return tuple(t.view_as(t) for t in inputs)
 
     @staticmethod
@@ -432,6 +425,3 @@ class _PostBackward(torch.autograd.Function):
         ctx.state.post_backward(ctx.group)
         return (None, None, *grads)
 
-
-class _ForwardToken:
-    """One root forward, held by its ``_PostBackward`` nodes: its weak reference dies with the forward's graph."""

@@ -9,6 +9,7 @@ groups (prefetch, reduction order) lives in ``runtime.py``.
 
 from __future__ import annotations
 
+import weakref
 from typing import Callable, Iterator
 
 import torch
@@ -54,7 +55,11 @@ class ShardGroup:
         module a ``fully_shard`` call was given (FSDP2 casts each sharded module's output; blocks grouped inside
         one call are not cast, their outputs feed the next block in the compute dtype)."""
         self.forward_calls = 0
-        """Forward calls of this step whose backward has not finished yet."""
+        """Forward calls of this step with gradients enabled (a backward may follow)."""
+        self.backward_nodes: list[weakref.ref] = []
+        """The ``_PostBackward`` nodes of its calls whose graphs are alive (weakly: a dropped graph frees them)."""
+        self.backward_calls = 0
+        """Calls the running backward still has to finish here: the nodes it will execute, counted as it starts."""
         self.backward_prepared = False
 
     @property
@@ -121,6 +126,17 @@ class ShardGroup:
             module._parameters[attr] = pick(dbuffer, name)
 
     # ------------------------------------------------------------- gradients
+    def count_backward_calls(self) -> None:
+        """At the backward's first gradient here: how many of the module's calls this backward runs.
+
+        Autograd decides it from the graph (``_will_engine_execute_node``), the same on every
+        rank: both calls of ``(f(m(a)) + f(m(b))).backward()``, one each of two separate backwards,
+        none of a forward whose graph was dropped or is not part of this backward.
+        """
+        alive = [(ref, node) for ref in self.backward_nodes if (node := ref()) is not None]
+        self.backward_nodes = [ref for ref, _ in alive]
+        self.backward_calls = sum(1 for _, node in alive if torch._C._will_engine_execute_node(node))
+
     def prepare_backward(self) -> None:
         """Unshard for backward (each gradient buffer is allocated at its first gradient)."""
         self.use_unsharded()

@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Mapping
 
 import torch
@@ -32,6 +33,8 @@ def describe(value: Any) -> str:
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         fields = ", ".join(f"{f.name}={describe(getattr(value, f.name))}" for f in dataclasses.fields(value))
         return f"{type(value).__name__}({fields})"
+    if isinstance(value, functools.partial):
+        return f"partial({describe(value.func)}, {describe(list(value.args))}, {describe(value.keywords)})"
     if callable(value) and not isinstance(value, type):
         return f"{getattr(value, '__module__', '?')}.{getattr(value, '__qualname__', repr(value))}"
     if isinstance(value, (list, tuple)):

@@ -210,6 +210,7 @@ class RaggedFSDPStrategy(ParallelStrategy):
         self.monitor_port = monitor_port
         self.monitor_address = monitor_address
         self._engine_kwargs = kwargs
+        self._given_engine_kwargs = dict(kwargs)  # as the user passed them ("recommended" may add to the above)
         self._process_group_backend = process_group_backend
         self._timeout = timeout
         self._num_nodes = 1
@@ -425,7 +426,7 @@ class RaggedFSDPStrategy(ParallelStrategy):
             group_modules=self.group_modules, activation_checkpointing=self.activation_checkpointing,
             replicate_degree=self.replicate_degree, sync_module_states=self.sync_module_states,
             broadcast_buffers=self.broadcast_buffers, sync_batchnorm=self._layer_sync is not None,
-            **self._engine_kwargs,
+            **self._given_engine_kwargs,
         )
         return {key: describe(value) for key, value in settings.items()}
 

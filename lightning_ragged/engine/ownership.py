@@ -2,7 +2,8 @@
 
 A parameter shared by modules sharded in separate calls (a weight tied across blocks in FSDP2's
 call pattern) would become two independent shards, untied without a word; FSDP2 refuses it, and
-so does ``fully_shard``. The registry holds the original parameters weakly, by identity.
+so does ``fully_shard``. The registry holds, weakly and by identity, the parameters a call was
+given and the shard objects it made (a submodule shared by two blocks holds the first's shards).
 """
 
 from __future__ import annotations

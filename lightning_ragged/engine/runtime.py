@@ -424,4 +424,3 @@ class _PostBackward(torch.autograd.Function):
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
         ctx.state.post_backward(ctx.group)
         return (None, None, *grads)
-

@@ -216,7 +216,6 @@ class RaggedFSDPStrategy(ParallelStrategy):
         self._num_nodes = 1
         self._shard_group: Optional[dist.ProcessGroup] = None
         self._replicate_group: Optional[dist.ProcessGroup] = None
-        self._created_groups: list[dist.ProcessGroup] = []
         self._warned_sharded_checkpoint = False
         self.sync_module_states = sync_module_states
         self.broadcast_buffers = broadcast_buffers
@@ -373,8 +372,7 @@ class RaggedFSDPStrategy(ParallelStrategy):
         self._replicate_group, replicate_groups = dist.new_subgroups_by_enumeration(
             replicate_ranks, timeout=self._timeout
         )
-        self._created_groups = [*shard_groups, *replicate_groups]
-        _LIVE_GROUPS.extend(self._created_groups)
+        _LIVE_GROUPS.extend([*shard_groups, *replicate_groups])
 
     def _destroy_process_groups(self) -> None:
         """Destroy the HSDP groups any earlier run of this strategy class created (they outlive its teardown, so
@@ -386,7 +384,6 @@ class RaggedFSDPStrategy(ParallelStrategy):
             except (ValueError, RuntimeError):  # this rank is not a member, or it is already gone
                 pass
         _LIVE_GROUPS.clear()
-        self._created_groups = []
         self._shard_group = self._replicate_group = None
 
     # ------------------------------------------------------------------ setup

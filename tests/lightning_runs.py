@@ -256,6 +256,21 @@ def slurm_hsdp_mode(results: dict) -> None:
     make_trainer(RaggedFSDPStrategy(replicate_degree=2), 2, trainer.global_step, num_nodes=2).fit(
         resumed, token_loader(4 * 2 * BATCH, BATCH), ckpt_path=path)
     results["hsdp_save_after_fit_resume_diff"] = worst(max_diff(trained, full_params(resumed)))
+    # A module with buffers fitted again by a new run: its buffer broadcasts (broadcast_buffers=True, from the
+    # second training forward on) go over the new run's HSDP groups (the old ones are destroyed at its setup).
+    reused = {}
+    strategies = {"ragged": lambda: RaggedFSDPStrategy(replicate_degree=2), "ddp": lambda: "ddp_find_unused_parameters_true"}
+    for name, strategy in strategies.items():
+        L.seed_everything(0, verbose=False)
+        reused[name] = with_batchnorm(LitTinyGPT())
+        for _ in range(2):
+            make_trainer(strategy(), 2, 3, num_nodes=2).fit(reused[name], token_loader(3 * 2 * BATCH, BATCH))
+    # gloo still runs a destroyed group's collectives (NCCL does not), so the groups themselves are checked
+    state = get_state(reused["ragged"])
+    dbuffer = next(iter(state.dbuffers()))
+    stale = state.buffer_sync.groups != [dbuffer.process_group, dbuffer.replicate_group]
+    results["hsdp_refit_buffer_groups_stale"] = worst(float(stale))
+    results["hsdp_refit_param_diff"] = worst(max_diff(full_params(reused["ragged"]), full_params(reused["ddp"])))
     dist.barrier()
     if rank == 0:
         shutil.rmtree(ckpt_dir, ignore_errors=True)

@@ -355,6 +355,8 @@ def test_hsdp_2x2_matches_ddp(slurm_hsdp_run: dict) -> None:
         assert slurm_hsdp_run[f"{name}_loss_diff"] <= FP32_TOL, slurm_hsdp_run
         assert slurm_hsdp_run[f"{name}_param_diff"] <= FP32_TOL, slurm_hsdp_run
     assert slurm_hsdp_run["hsdp_save_after_fit_resume_diff"] == 0.0  # trainer.save_checkpoint after fit, with HSDP
+    assert slurm_hsdp_run["hsdp_refit_param_diff"] <= FP32_TOL  # a second fit with the same module, as DDP
+    assert slurm_hsdp_run["hsdp_refit_buffer_groups_stale"] == 0.0  # its buffers broadcast over the second run's groups
 
 
 def test_lightning_cli_fits_from_the_example_yaml() -> None:

@@ -84,14 +84,17 @@ class BufferSync:
         chunk_bytes: int = BROADCAST_CHUNK_BYTES,
     ) -> None:
         self.module = module
-        self.groups: list[dist.ProcessGroup | None] = [process_group]  # None: the world
-        if replicate_group is not None:
-            self.groups.append(replicate_group)
+        self.groups: list[dist.ProcessGroup | None] = []
+        self.rebind(process_group, replicate_group)
         self.chunk_bytes = chunk_bytes
         self.has_buffers = any(True for _ in module.buffers())
         """Decided at construction, as DDP: a model without buffers never issues a collective."""
         self.broadcasts = 0
         """Broadcast rounds issued (each a few coalesced collectives per group)."""
+
+    def rebind(self, process_group: dist.ProcessGroup | None, replicate_group: dist.ProcessGroup | None) -> None:
+        """Broadcast over these groups from now on (a module reused by a run with groups of its own)."""
+        self.groups = [process_group] + ([replicate_group] if replicate_group is not None else [])  # None: the world
 
     def buffers(self) -> list[torch.Tensor]:
         # Collected every time: a module may re-assign its buffers (as DDP re-collects them).

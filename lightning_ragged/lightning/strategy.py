@@ -490,7 +490,11 @@ class RaggedFSDPStrategy(ParallelStrategy):
         )
 
     def _rebind_process_groups(self, model: nn.Module) -> None:
-        for dbuffer in get_state(model).dbuffers():
+        """Point every collective of a reused module at this run's groups (the last run's are destroyed at setup)."""
+        state = get_state(model)
+        if state.buffer_sync is not None:
+            state.buffer_sync.rebind(self._shard_group, self._replicate_group)
+        for dbuffer in state.dbuffers():
             dbuffer.process_group = self._shard_group
             dbuffer.replicate_group = self._replicate_group
             for param in dbuffer.sharded_params.values():

@@ -6,6 +6,7 @@ process oracle is the same model trained on the concatenated global batch.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import pytest
@@ -447,6 +448,75 @@ def test_output_dtype_casts_module_outputs_as_fsdp2(dist_pool):
             assert result["seen"][key] == {"block": {"torch.bfloat16"}, "logits": {"torch.float32"}}, result
         for key in ("single", "pattern"):  # bf16 compute: FSDP2's own rounding is the yardstick, same kernels here
             assert max(abs(a - b) for a, b in zip(result["losses"][key], result["losses"]["theirs"])) <= 1e-5, result
+
+
+@dataclasses.dataclass
+class Hidden:
+    """A user's own dataclass between blocks (not registered with torch's pytree)."""
+
+    states: torch.Tensor
+    scale: torch.Tensor
+    depth: int = 0
+
+
+class DataclassBlock(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+
+    def forward(self, hidden: Hidden) -> Hidden:
+        return Hidden(torch.tanh(self.linear(hidden.states)) * hidden.scale, hidden.scale * 0.9, hidden.depth + 1)
+
+
+class DataclassModel(nn.Module):
+    def __init__(self, width: int = 12, depth: int = 3) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(width))
+        self.blocks = nn.ModuleList(DataclassBlock(width) for _ in range(depth))
+        self.head = nn.Linear(width, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = Hidden(x, self.scale)
+        for block in self.blocks:
+            hidden = block(hidden)
+        return self.head(hidden.states).pow(2).mean()
+
+
+def check_dataclass_inputs_and_outputs(pattern: str) -> dict:
+    """Blocks that take and return a dataclass: trained 3 SGD steps vs one process on the global batch, and
+    ``output_dtype`` casts the dataclass's tensors (FSDP2 enters dataclasses; torch's pytree does not)."""
+    torch.manual_seed(0)
+    reference = DataclassModel()
+    model = DataclassModel()
+    model.load_state_dict(reference.state_dict())
+    if pattern == "per-block":
+        for block in model.blocks:
+            lr.fully_shard(block)
+        lr.fully_shard(model)
+    else:
+        lr.fully_shard(model, group_modules=[DataclassBlock])
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, reference)]
+    data = torch.randn(3, BATCH, 12, generator=torch.Generator().manual_seed(1))
+    for step in range(3):
+        model(_local(data[step])).backward()
+        reference(data[step]).backward()
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad()
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    cast = DataclassBlock(12)
+    lr.fully_shard(cast, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, output_dtype=torch.float32))
+    out = cast(Hidden(torch.randn(2, 12), torch.ones(12)))
+    return {"max_diff": _max_diff(lr.full_state_dict(model), reference),
+            "cast": (str(out.states.dtype), str(out.scale.dtype), out.depth)}
+
+
+@pytest.mark.parametrize("pattern", ["per-block", "grouped"])
+def test_dataclass_inputs_and_outputs_match_single_process(dist_pool, pattern):
+    for result in dist_pool(2).run(check_dataclass_inputs_and_outputs, pattern):
+        assert result["max_diff"] <= 1e-6, result
+        assert result["cast"] == ("torch.float32", "torch.float32", 1), result
 
 
 def check_full_state_dict_round_trip() -> float:

@@ -36,10 +36,10 @@ from typing import Any, Iterator
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from lightning_ragged.engine import collectives
 from lightning_ragged.engine.collectives import CommStats
+from lightning_ragged.engine.containers import map_tensors, replace_tensors_requiring_grad, tensors_requiring_grad
 from lightning_ragged.engine.dbuffer import DBuffer
 from lightning_ragged.engine.shard_group import ShardGroup
 from lightning_ragged.engine.streams import CommStreams, device_streams
@@ -205,20 +205,17 @@ class RaggedFSDPState:
         return _cast_outputs(group, output)
 
     def hook_backward(self, group: ShardGroup, output: Any) -> None:
-        tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+        tensors = tensors_requiring_grad(output)
         if tensors:
             torch.autograd.graph.register_multi_grad_hook(tensors, self._pre_backward_hooks[id(group)], mode="any")
 
     def _register_post_backward(self, group: ShardGroup, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        flat, spec = tree_flatten((args, kwargs))
-        positions = [i for i, value in enumerate(flat) if isinstance(value, torch.Tensor) and value.requires_grad]
-        if not positions:
+        inputs = tensors_requiring_grad((args, kwargs))
+        if not inputs:
             return args, kwargs  # nothing upstream needs a gradient: finished at the end of backward
-        outputs = _PostBackward.apply(self, group, *[flat[i] for i in positions])
+        outputs = _PostBackward.apply(self, group, *inputs)
         group.backward_nodes.append(weakref.ref(outputs[0].grad_fn))
-        for i, value in zip(positions, outputs):
-            flat[i] = value
-        return tree_unflatten(flat, spec)
+        return replace_tensors_requiring_grad((args, kwargs), list(outputs))
 
     def _prefetch(self, group: ShardGroup, forward: bool) -> None:
         """Start the all-gather of the groups expected next (forward or backward).
@@ -249,12 +246,10 @@ class RaggedFSDPState:
         if policy is None or policy.param_dtype is None or not policy.cast_forward_inputs:
             return args, kwargs
 
-        def cast(value: Any) -> Any:
-            if isinstance(value, torch.Tensor) and value.is_floating_point():
-                return value.to(policy.param_dtype)
-            return value
+        def cast(value: torch.Tensor) -> torch.Tensor:
+            return value.to(policy.param_dtype) if value.is_floating_point() else value
 
-        return tree_map(cast, args), tree_map(cast, kwargs)
+        return map_tensors(cast, args), map_tensors(cast, kwargs)
 
     # --------------------------------------------------------------- backward
     def pre_backward(self, group: ShardGroup) -> None:
@@ -387,7 +382,7 @@ def _cast_outputs(group: ShardGroup, output: Any) -> Any:
     dtype = group.output_dtype
     if dtype is None:
         return output
-    return tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, output)
+    return map_tensors(lambda t: t.to(dtype) if t.is_floating_point() else t, output)
 
 
 def _autograd_running() -> bool:

@@ -254,6 +254,56 @@ def test_freeze_change_between_steps_matches_single_process(dist_pool, world_siz
             assert result["block_moved_after_switch"] == 0.0, (rank, result)  # the frozen block did not move
 
 
+def _inside_root_forward(net: nn.Module, step) -> None:
+    """Run ``step`` as Lightning runs a ``training_step``: inside one call of the root's forward (its forward
+    redirection), where the model's own calls are nested root forwards."""
+    original = net.forward
+
+    def redirected() -> None:
+        net.forward = original  # as Lightning: nested calls run the real forward
+        step()
+
+    net.forward = redirected
+    try:
+        net()
+    finally:
+        net.__dict__.pop("forward", None)
+
+
+def check_freeze_between_backwards(nested: bool) -> dict:
+    """Lightning's ``toggle_optimizer`` pattern: in every step a backward with everything trainable, then block 1
+    and the embedding (a root parameter) frozen for a second forward and backward, unfrozen, one step; against
+    one process doing the same on the global batches. The frozen parameters get only the first loss's gradient.
+    ``nested``: the sharded model's step runs inside its root forward, as under Lightning."""
+    first, second = make_batches(3, BATCH, seed=1), make_batches(3, BATCH, seed=2)
+    reference = make_model()
+    model = lr.fully_shard(make_model(), shard_granularity="row")
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (model, reference)]
+    for step in range(3):
+        for net, local in ((model, _local), (reference, lambda batch: batch)):
+            def run(net=net, local=local) -> None:
+                lm_loss(net, local(first[step])).backward()
+                toggled = [*net.blocks[1].parameters(), net.embed.weight]
+                for param in toggled:
+                    param.requires_grad_(False)
+                lm_loss(net, local(second[step])).backward()
+                for param in toggled:
+                    param.requires_grad_(True)
+
+            _inside_root_forward(net, run) if nested and net is model else run()
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad()
+    return {"max_diff": _max_diff(lr.full_state_dict(model), reference)}
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+@pytest.mark.parametrize("nested", [False, True], ids=["steps", "inside-root-forward"])
+def test_freeze_between_two_backwards_of_a_step_matches_single_process(dist_pool, world_size, nested):
+    for result in dist_pool(world_size).run(check_freeze_between_backwards, nested):
+        assert result["max_diff"] <= TOLERANCE, result
+
+
 # ------------------------------------------------------------ 4. unused parameters vs DDP
 def _routed_ranks(step: int, world: int) -> set[int]:
     """Ranks whose batch takes the expert branch at ``step``: one rank, none, all, the last, all but rank 0."""

@@ -22,7 +22,7 @@ casting, scaling by 1/world) runs once on the flat tensors, never per parameter.
 
 A DBuffer whose parameters are all frozen (``requires_grad=False``) never allocates a
 gradient buffer and is never reduced; that is decided at every backward from the
-parameters' current flags, so ``requires_grad_`` between steps takes effect at the next one.
+parameters' current flags (mirrored onto the full parameters before each forward call).
 Gradients follow DDP: a parameter no rank used in a backward keeps ``grad is None``;
 ``no_sync`` micro-batches accumulate in the gradient buffer, in the reduce dtype.
 

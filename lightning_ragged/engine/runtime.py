@@ -134,7 +134,7 @@ class RaggedFSDPState:
 
     def _begin_step(self) -> None:
         """Recover from a backward that raised, release what a backward-less forward kept,
-        mirror ``requires_grad`` changes, restart the recorded forward order.
+        restart the recorded forward order.
 
         A forward whose backward is still to come (``(f(model(a)) + f(model(b))).backward()``)
         loses nothing here: each group counts the calls its next backward runs when that
@@ -148,9 +148,6 @@ class RaggedFSDPState:
                     group.reshard()
                 group.end_backward()
         self._previous_order, self.forward_order = self.forward_order or self._previous_order, []
-        for dbuffer in self.dbuffers():
-            for name, param in dbuffer.sync_requires_grad():
-                self.hook_grad(dbuffer, name, param)
         if self.buffer_sync is not None and self._buffers_need_sync:
             self.buffer_sync.broadcast()  # DDP's broadcast_buffers: rank 0's buffers before this forward
 
@@ -176,8 +173,16 @@ class RaggedFSDPState:
         self.handles.append(param.register_post_accumulate_grad_hook(hook))
 
     # ---------------------------------------------------------------- forward
+    def _mirror_requires_grad(self, group: ShardGroup) -> None:
+        """Give the full parameters the shards' ``requires_grad`` before each forward call: a flag changed
+        inside a step (Lightning's ``toggle_optimizer`` between two backwards) holds for the next forward."""
+        for dbuffer in group.dbuffers:
+            for name, param in dbuffer.sync_requires_grad():
+                self.hook_grad(dbuffer, name, param)
+
     def pre_forward(self, group: ShardGroup, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if not self._in_backward:
+            self._mirror_requires_grad(group)
             if group.is_root and group.is_unsharded and group.forward_calls:
                 return self._cast_inputs(group, args, kwargs)  # another module using a root parameter
             if not group.is_root and group not in self.forward_order:

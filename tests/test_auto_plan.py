@@ -270,27 +270,54 @@ def test_auto_plan_accepts_a_plain_list_and_reports_its_types():
 
 
 # ----------------------------------------------------------------------------------- the engine as oracle
-def _engine_full_bytes(reduce_dtype: torch.dtype | None) -> tuple[int, int]:
-    """On a rank: the largest group's full parameter and full gradient bytes in ``fully_shard``'s own buffers."""
+class _ReductionBytes:
+    """At each reduction issued: the bytes of the distinct buffers it keeps alive but this rank's summed segment
+    (the gradient buffer and, for a wider reduce dtype, its cast)."""
+
+    def __init__(self) -> None:
+        self.largest = 0
+
+    def on_event(self, event) -> None:
+        from lightning_ragged.engine.events import EventKind
+
+        if event.kind is EventKind.REDUCE_ISSUED:
+            full, own, *rest = event.dbuffer._pending_reduce.keep_alive
+            storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in (full, *rest)}
+            storages.pop(own.untyped_storage().data_ptr(), None)
+            self.largest = max(self.largest, sum(storages.values()))
+
+
+def _engine_full_bytes(reduce_dtype: torch.dtype | None) -> tuple[int, int, int]:
+    """On a rank, in ``fully_shard``'s own buffers: the largest group's full parameter bytes, full gradient
+    bytes while ``no_sync`` accumulates, and gradient bytes alive at a reduction (the backend's reduce-scatter)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     from tests.models import lm_loss, make_batches, make_model
 
     model = make_model()
-    lr.fully_shard(model, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype))
+    lr.fully_shard(model, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype),
+                   reduce_mode="reduce_scatter")
+    state = lr.get_state(model)
+    reductions = _ReductionBytes()
+    for dbuffer in state.dbuffers():
+        dbuffer.observers.append(reductions)
     with lr.no_sync(model):  # the full gradient buffers stay allocated, accumulating
         lm_loss(model, make_batches(1, 2)[0]).backward()
     params, grads = [], []
-    for group in lr.get_state(model).all_groups:
+    for group in state.all_groups:
         grads.append(sum(b.unsharded_grad.untyped_storage().nbytes() for b in group.dbuffers))
         group.module.unshard()
         params.append(sum(b.unsharded.untyped_storage().nbytes() for b in group.dbuffers))
         group.module.reshard()
-    return max(params), max(grads)
+    for group in state.all_groups:
+        for dbuffer in group.dbuffers:
+            dbuffer.free_unsharded_grad()  # forget the accumulated micro-batch: the next backward lands fresh
+    lm_loss(model, make_batches(1, 2)[0]).backward()
+    return max(params), max(grads), reductions.largest
 
 
 @pytest.mark.parametrize("reduce_dtype", [None, torch.float32])
-def test_estimate_counts_the_gradient_buffer_in_the_reduce_dtype_as_the_engine_allocates_it(dist_pool, reduce_dtype):
+def test_estimate_counts_the_gradient_buffers_as_the_engine_allocates_them(dist_pool, reduce_dtype):
     from lightning_ragged.cli.model_groups import ModelDescription
     from lightning_ragged.cli.plan import plan_model
     from lightning_ragged.engine.api import VIEW_ALIGNMENT_BYTES
@@ -299,15 +326,18 @@ def test_estimate_counts_the_gradient_buffer_in_the_reduce_dtype_as_the_engine_a
     from tests.models import make_model
 
     world = 2
-    (params, grads), *others = dist_pool(world).run(_engine_full_bytes, reduce_dtype)
-    assert all(other == (params, grads) for other in others)
+    (params, accumulating, reducing), *others = dist_pool(world).run(_engine_full_bytes, reduce_dtype)
+    assert all(other == (params, accumulating, reducing) for other in others)
     description = ModelDescription("tiny", describe_groups(plan_groups(make_model(), None, 2**40)))
     groups = plan_model(description, world, alignment=VIEW_ALIGNMENT_BYTES // 2)  # 16 bytes of bf16, as fully_shard
     reduce_bytes = None if reduce_dtype is None else reduce_dtype.itemsize
     memory = memory_estimate(groups, world, 4, 2, "adamw", reduce_bytes)
     assert memory["largest_unsharded_group"] == params
-    assert memory["transient_peak"] == 2 * params + grads  # computing + prefetched, and one gradient buffer
-    assert grads == params * (2 if reduce_dtype == torch.float32 else 1)  # the case this guards: fp32 is twice bf16
+    # computing + prefetched, and the larger of: one gradient buffer accumulating, one at its reduction
+    assert memory["transient_peak"] == 2 * params + max(accumulating, reducing)
+    assert accumulating == params * (2 if reduce_dtype == torch.float32 else 1)  # no_sync: in the reduce dtype
+    # a reduction: the bf16 buffer, plus its fp32 cast for the reduce-scatter when the reduce dtype is fp32
+    assert reducing == params * (3 if reduce_dtype == torch.float32 else 1)
 
 
 def test_plan_cli_reduce_dtype_sizes_the_gradient_buffer(capsys):
@@ -319,7 +349,9 @@ def test_plan_cli_reduce_dtype_sizes_the_gradient_buffer(capsys):
         report = json.loads(capsys.readouterr().out)
         assert report["reduce_dtype"] == dtype
         memory[dtype] = report["memory"]
-    largest = memory["fp32"]["largest_unsharded_group"]  # bf16: 2 bytes an element; an fp32 gradient buffer is twice
-    assert memory["fp32"]["transient_peak"] - memory["bf16"]["transient_peak"] == largest
+    # bf16: 2 bytes an element. A bf16 reduction holds one bf16 gradient buffer; an fp32 one holds the bf16 buffer
+    # and its fp32 cast for the reduce-scatter: 4 more bytes an element, twice the largest group's full parameters
+    largest = memory["fp32"]["largest_unsharded_group"]
+    assert memory["fp32"]["transient_peak"] - memory["bf16"]["transient_peak"] == 2 * largest
     assert main(["--config", "llama3-70b", "--world-size", "64"]) == 0  # the default is fp32, as precision="bf16-mixed"
     assert "reduce fp32" in capsys.readouterr().out

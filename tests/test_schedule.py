@@ -137,8 +137,8 @@ def _bad_inflight() -> str:
 
 
 # ------------------------------------------------ gradients landing in the buffer
-# A reduce dtype of its own makes gradients land by one cast-copy (no zero-fill, no add);
-# float64 keeps the comparison with single-process float32 training exact to rounding.
+# A reduce dtype of its own makes gradients land by one copy (no zero-fill, no add), in the narrower dtype
+# (here the compute dtype); float64 keeps the comparison with single-process float32 training exact to rounding.
 LANDING = dict(mp_policy=MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float64))
 
 
@@ -150,7 +150,8 @@ def test_gradients_landed_by_copy_match_single_process(dist_pool, world_size, ac
 
 
 class _Writes(torch.utils._python_dispatch.TorchDispatchMode):
-    """Bytes written by zero_/fill_/add_/copy_ into the gradient buffers."""
+    """Bytes written by zero_/fill_/add_/copy_ into the gradient buffers; ``add_`` into other float64 tensors
+    (LANDING's reduce dtype) under ``"sum in the reduce dtype"``."""
 
     def __init__(self, storages: set[int]) -> None:
         super().__init__()
@@ -161,8 +162,11 @@ class _Writes(torch.utils._python_dispatch.TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         name = func._schema.name
         if name in ("aten::zero_", "aten::fill_", "aten::add_", "aten::copy_") and args[0].numel():
-            if args[0].untyped_storage()._cdata in self.storages:  # the same storage across its resizes
-                self.bytes[name] = self.bytes.get(name, 0) + args[0].numel() * args[0].element_size()
+            key = name if args[0].untyped_storage()._cdata in self.storages else None  # across its resizes
+            if key is None and name == "aten::add_" and args[0].dtype == torch.float64:
+                key = "sum in the reduce dtype"
+            if key is not None:
+                self.bytes[key] = self.bytes.get(key, 0) + args[0].numel() * args[0].element_size()
         return out
 
 
@@ -178,9 +182,10 @@ def check_landing_writes() -> dict:
             lm_loss(model, batch).backward()
         grad_bytes = sum(b.layout.buffer_numel * b.unsharded_grad.element_size() for b in state.dbuffers())
         padding = sum(b.layout.padding * b.unsharded_grad.element_size() for b in state.dbuffers())
-        # gloo's reduce_mode="pairwise" adds each peer's copy of this rank's segment into it: the reduction's sum
-        summed = sum((b.world_size - 1) * b.layout.segment_size * b.unsharded_grad.element_size() for b in state.dbuffers())
-        result[mode] = {"writes": writes.bytes, "grad_bytes": grad_bytes, "padding": padding, "summed": summed}
+        # gloo's reduce_mode="pairwise" adds each peer's copy of this rank's segment into this rank's own, cast
+        summed = sum((b.world_size - 1) * b.layout.segment_size * b.reduce_dtype.itemsize for b in state.dbuffers())
+        result[mode] = {"writes": writes.bytes, "grad_bytes": grad_bytes, "padding": padding, "summed": summed,
+                        "grad_dtypes": {str(b.unsharded_grad.dtype) for b in state.dbuffers()}}
     return result
 
 
@@ -190,5 +195,8 @@ def test_first_gradients_land_without_zero_fill(dist_pool):
     assert fp32["writes"].get("aten::zero_") == fp32["grad_bytes"], fp32  # zeroed whole, autograd adds
     assert landing["writes"].get("aten::copy_") == landing["grad_bytes"] - landing["padding"], landing
     assert landing["writes"].get("aten::zero_", 0) <= landing["padding"], landing  # only what no gradient writes
-    # every parameter runs once: no second gradient is added, only the reduction sums the peers' segments
-    assert landing["writes"].get("aten::add_") == landing["summed"], landing
+    assert landing["grad_dtypes"] == {"torch.float32"}, landing  # held in the compute dtype, not the reduce dtype
+    # every parameter runs once: no second gradient is added; the reduction sums the peers' segments (in fp32)
+    # into this rank's own, cast to the reduce dtype (fp64) outside the buffer
+    assert "aten::add_" not in landing["writes"], landing
+    assert landing["writes"].get("sum in the reduce dtype") == landing["summed"], landing

@@ -360,7 +360,7 @@ def parser() -> argparse.ArgumentParser:
         "--reduce-dtype",
         choices=tuple(DTYPE_BYTES),
         default="fp32",
-        help="dtype of the full gradient buffers (MixedPrecisionPolicy.reduce_dtype; default fp32, as Lightning's "
+        help="dtype of the gradient reduction (MixedPrecisionPolicy.reduce_dtype; default fp32, as Lightning's "
         "precision='bf16-mixed' and the README's policy; pass the --param-dtype for reduce_dtype=None)",
     )
     p.add_argument("--optimizer", choices=tuple(OPTIMIZER_STATE_BYTES), default="adamw")

@@ -119,26 +119,32 @@ def all_gather(
 def reduce(
     full: torch.Tensor, mode: str, group: dist.ProcessGroup | None, segment: slice, async_op: bool, started: float,
     replicate_group: dist.ProcessGroup | None = None, stats: CommStats | None = None,
+    reduce_dtype: torch.dtype | None = None,
 ) -> PendingCollective:
-    """Sum ``full`` over ``group``: in place (``all_reduce``) or into this rank's ``segment`` (``reduce_scatter``,
-    into a tensor of its own; ``pairwise``, in place in ``full``).
+    """Sum ``full`` over ``group`` in ``reduce_dtype`` (default: its own): in place (``all_reduce``) or into this
+    rank's ``segment`` (``reduce_scatter``, into a tensor of its own; ``pairwise``, into ``full``'s segment).
 
-    The pending collective keeps ``(full, own_segment)`` alive; ``own_segment`` holds this
-    rank's summed segment once it finished, summed over ``replicate_group`` too (HSDP): right
+    A ``full`` narrower than ``reduce_dtype`` (bf16 gradients, fp32 reduction) is cast for the backend's
+    collectives (a full buffer of the reduce dtype, as FSDP2's reduce-scatter input); ``pairwise`` sends it
+    as it is (a widening cast is exact, so the same sums for half the bytes) and sums this rank's segment,
+    cast, with the received ones. The pending collective keeps ``(full, own_segment)`` alive; ``own_segment``
+    holds this rank's summed segment once it finished, summed over ``replicate_group`` too (HSDP): right
     after a synchronous reduction, else when it is waited for (``then``). Counted in ``stats``.
     """
+    dtype = reduce_dtype or full.dtype
+    sent = full if mode == "pairwise" or full.dtype == dtype else full.to(dtype)
     if mode == "all_reduce":
-        work = dist.all_reduce(full, group=group, async_op=async_op)
-        own_segment = full[segment]
+        work = dist.all_reduce(sent, group=group, async_op=async_op)
+        own_segment = sent[segment]
     elif mode == "pairwise":
-        own_segment = full[segment]
+        own_segment = full[segment] if full.dtype == dtype else full[segment].to(dtype)
         work = PairwiseReduce(full, own_segment, group)
         if not async_op:
             work.wait()
     else:
-        own_segment = torch.empty(segment.stop - segment.start, dtype=full.dtype, device=full.device)
-        work = _reduce_scatter_single(own_segment, full, group=group, async_op=async_op)
-    pending = PendingCollective(work, started, full, own_segment)
+        own_segment = torch.empty(segment.stop - segment.start, dtype=dtype, device=full.device)
+        work = _reduce_scatter_single(own_segment, sent, group=group, async_op=async_op)
+    pending = PendingCollective(work, started, full, own_segment, sent)
     if replicate_group is not None:
         def replica() -> None:
             all_reduce(own_segment, replicate_group)
@@ -149,7 +155,7 @@ def reduce(
             replica()  # ordered after it: on the same stream (device), or it finished (CPU)
     if stats is not None:
         stats.reduces += 1
-        stats.reduce_bytes += full.numel() * full.element_size()
+        stats.reduce_bytes += sent.numel() * sent.element_size()
         if replicate_group is not None:
             stats.replica_all_reduces += 1
             stats.replica_all_reduce_bytes += own_segment.numel() * own_segment.element_size()

@@ -7,14 +7,16 @@ Three flat tensors laid out by the planner:
 * ``unsharded`` (size m·S, compute dtype): allocated at unshard (an fp8 gather's at its wait,
   where the dequantize writes it), freed at reshard. The module's parameters are fixed,
   original-shape views into it, so the all-gather writes every parameter in place: no copy-in, no copy-out.
-* ``unsharded_grad`` (size m·S, reduce dtype): allocated when the first gradient of the
+* ``unsharded_grad`` (size m·S, ``grad_dtype``): allocated when the first gradient of the
   DBuffer arrives (autograd's post-accumulate hook), not at the group's backward pre-hook,
-  so no buffer waits through the backward of the groups before it; the collective reads it
-  as is. With equal compute and reduce dtypes it is zeroed then and every ``param.grad``
-  points at its view, so autograd accumulates in place (no copy). With a reduce dtype of its
-  own each gradient lands by one cast-copy into its view (later ones of the same parameter
-  by ``add_``) and only what no gradient writes is zeroed: the padding at allocation, the
-  parameters no gradient reached before the reduction; no zero-fill, no separate cast.
+  so no buffer waits through the backward of the groups before it; the collective reads it.
+  With equal compute and reduce dtypes it is zeroed then and every ``param.grad`` points at
+  its view, so autograd accumulates in place (no copy). With a reduce dtype of its own each
+  gradient lands by one copy into its view (later ones of the same parameter by ``add_``)
+  and only what no gradient writes is zeroed: the padding at allocation, the parameters no
+  gradient reached before the reduction; no zero-fill. It is in the narrower dtype (bf16
+  under bf16-mixed, as FSDP2 holds gradients until its reduce-scatter), summed in the reduce
+  dtype (``collectives.reduce``); ``no_sync`` micro-batches accumulate in the reduce dtype.
 
 Storage is freed and re-allocated with ``untyped_storage().resize_`` so the views (and
 tensors autograd saved) stay valid across reshard/unshard. Group-level work (zeroing,
@@ -99,16 +101,22 @@ class DBuffer:
         self.master_dtype = first.dtype
         self.param_dtype = param_dtype or self.master_dtype
         self.reduce_dtype = reduce_dtype or self.param_dtype
+        self.grad_dtype = min((self.reduce_dtype, self.param_dtype), key=lambda dtype: dtype.itemsize)
+        """What the gradient buffer holds while gradients sync (the reduce dtype on a tie)."""
         self.shard_cast = ShardCast(self.param_dtype, keep_cast_shard)
         segment = layout.segment_size
         self.segment = slice(self.rank * segment, (self.rank + 1) * segment)
 
         self.sharded = torch.zeros(segment, dtype=self.master_dtype, device=self.device)
-        self.unsharded_grad = torch.empty(self.world_size * segment, dtype=self.reduce_dtype, device=self.device)
-        self._grad_bytes = self.unsharded_grad.untyped_storage().nbytes()
+        self._grad_placeholders = {
+            dtype: torch.empty(self.world_size * segment, dtype=dtype, device=self.device)
+            for dtype in (self.grad_dtype, self.reduce_dtype)
+        }
+        """Freed gradient buffers, one per dtype (``no_sync``: the reduce dtype); storage at allocation."""
+        self.unsharded_grad = self._grad_placeholders[self.grad_dtype]
         self._shapes = {name: param.shape for name, param in params}
         self._land_by_copy = self.reduce_dtype != self.param_dtype
-        """Gradients land in the buffer by a cast-copy (``param.grad`` cannot be a view of another dtype)."""
+        """Gradients land in the buffer by a copy (in the compute dtype, or cast: the narrower one)."""
         self._landed: set[str] = set()
         """Parameters whose gradient is in the buffer since it was allocated (``_land_by_copy`` only)."""
         self._padding = storage.padding(layout, self.world_size * segment)
@@ -135,9 +143,8 @@ class DBuffer:
         self._grad = ShardedGrad(slices, segment, self.master_dtype, self.device)
         self._build_full(alias=self.single_rank and self.param_dtype == self.master_dtype)
         self._view_grad_buffer()
-        storage.free(self.unsharded_grad)
-        self._freed_grad_buffer = self.unsharded_grad
-        """The freed placeholder gradient buffer: ``unsharded_grad`` again once a single rank's buffer is adopted."""
+        for placeholder in self._grad_placeholders.values():
+            storage.free(placeholder)
         self._pending_unshard: PendingCollective | None = None
         self._pending_reduce: PendingCollective | None = None
 
@@ -290,17 +297,23 @@ class DBuffer:
                     changed.append((name, full))
         return changed
 
-    def ensure_grad_buffer(self) -> None:
-        """Allocate the gradient buffer (at the first gradient, or zeroed for a reduction that got none)."""
+    def ensure_grad_buffer(self, accumulate: bool = False) -> None:
+        """Allocate the gradient buffer (at the first gradient, or zeroed for a reduction that got none);
+        ``accumulate``: for ``no_sync`` micro-batches, in the reduce dtype."""
         if not self.has_unsharded_grad:
-            observed(self, EventKind.GRAD_BUFFER_ALLOCATED, None, self._allocate_grad)
+            dtype = self.reduce_dtype if accumulate else self.grad_dtype
+            observed(self, EventKind.GRAD_BUFFER_ALLOCATED, None, self._allocate_grad, dtype)
 
-    def _allocate_grad(self) -> None:
+    def _allocate_grad(self, dtype: torch.dtype) -> None:
         if self.single_rank:  # a tensor of its own each backward: the reduction adopts it (sharded_grad.py)
-            self.unsharded_grad = torch.empty(self.full_numel, dtype=self.reduce_dtype, device=self.device)
+            self.unsharded_grad = torch.empty(self.full_numel, dtype=dtype, device=self.device)
             self._view_grad_buffer()
         else:
-            storage.allocate(self.unsharded_grad, self._grad_bytes)
+            switch = self.unsharded_grad.dtype != dtype
+            self.unsharded_grad = self._grad_placeholders[dtype]
+            storage.allocate(self.unsharded_grad, self.full_numel * dtype.itemsize)
+            if switch:
+                self._view_grad_buffer()
         if self._land_by_copy:  # gradients will write their views: zero only the padding between them
             for gap in self._padding:
                 self.unsharded_grad[gap].zero_()
@@ -310,17 +323,17 @@ class DBuffer:
             if param.requires_grad:
                 param.grad = self._unsharded_grad_views[name]
 
-    def grad_arrived(self, name: str) -> None:
+    def grad_arrived(self, name: str, accumulate: bool = False) -> None:
         """Land ``name``'s gradient, which autograd just finished, and record that it was used.
 
-        The first gradient of the DBuffer allocates the buffer. A gradient autograd produced
-        as a tensor of its own is cast-copied (its first) or added into its view; with
-        ``param.grad`` pointing at the view, autograd has already accumulated it there.
+        The first gradient of the DBuffer allocates the buffer (``accumulate``: under ``no_sync``).
+        A gradient autograd produced as a tensor of its own is copied (its first) or added into
+        its view; with ``param.grad`` pointing at the view, autograd has already accumulated it there.
         """
         param = self.unsharded_params[name]
         arrived = param.grad
         if self._land_by_copy or arrived is not self._unsharded_grad_views.get(name):
-            self.ensure_grad_buffer()  # may make new views (single rank)
+            self.ensure_grad_buffer(accumulate)  # may make new views
             view = self._unsharded_grad_views[name]
             if not self._land_by_copy:
                 if arrived is not None and arrived is not view:
@@ -351,7 +364,7 @@ class DBuffer:
             return
         self._pending_reduce = collectives.reduce(
             full, self.reduce_mode, self.process_group, self.segment, async_op, started,
-            self.replicate_group, self.stats,
+            self.replicate_group, self.stats, self.reduce_dtype,
         )
 
     @property
@@ -414,7 +427,7 @@ class DBuffer:
             param.grad = None
         self._landed.clear()
         if adopted:  # single rank: forget the buffer and its views, which would keep it alive
-            self.unsharded_grad, self._unsharded_grad_views = self._freed_grad_buffer, {}
+            self.unsharded_grad, self._unsharded_grad_views = self._grad_placeholders[self.grad_dtype], {}
         if (adopted or storage.free(self.unsharded_grad)) and self.observers:
             notify(self, EventKind.GRAD_BUFFER_FREED)
 

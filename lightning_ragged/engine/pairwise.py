@@ -5,7 +5,8 @@ all-reduce sends each rank 2(W-1)/W of the buffer. Here every rank sends each pe
 segment and sums the W-1 segments it receives into its own: (W-1)/W of the buffer per rank, half
 an all-reduce's bytes, for a scratch of W-1 segments while it is in flight. On gloo this is CPU
 work on the compute's own cores, so fewer bytes are less time (RESULTS "step-floor"); gloo's default.
-Each segment is summed as its owner's gradient plus the peers' in rank order.
+Each segment is summed as its owner's gradient plus the peers' in rank order, in ``own``'s dtype (the
+segments travel in ``full``'s, which may be narrower: bf16 gradients summed in fp32).
 """
 
 from __future__ import annotations

@@ -276,7 +276,7 @@ class RaggedFSDPState:
         depends on this rank's data: a parameter used on some ranks only reordered the ranks'
         collectives.)
         """
-        dbuffer.grad_arrived(name)
+        dbuffer.grad_arrived(name, accumulate=not self.requires_gradient_sync)
 
     def post_backward(self, group: ShardGroup) -> None:
         """The module's backward is done: reduce its trainable DBuffers, then free its full parameters."""

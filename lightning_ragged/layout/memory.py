@@ -33,8 +33,10 @@ def memory_estimate(
 
     ``groups``: one mapping per group kind with ``count`` (identical groups) and ``dbuffers``
     (one mapping per DBuffer with its ``segment_size`` in elements), as the plan report lists them.
-    ``param_bytes``: the all-gathered (compute) element; ``reduce_bytes``: the full gradient
-    buffer's element, the policy's ``reduce_dtype`` (None: ``param_bytes``, as ``reduce_dtype=None``).
+    ``param_bytes``: the all-gathered (compute) element; ``reduce_bytes``: the reduction's element,
+    the policy's ``reduce_dtype`` (None: ``param_bytes``, as ``reduce_dtype=None``). The engine holds a
+    full gradient buffer in the narrower of the two and, when the reduction is wider, casts it for the
+    backend's reduce-scatter (both alive until it finished); ``no_sync`` accumulates in the reduce dtype.
     """
     segment_elements = sum(g["count"] * sum(b["segment_size"] for b in g["dbuffers"]) for g in groups)
     largest = max(sum(b["segment_size"] * shard_world for b in g["dbuffers"]) for g in groups)
@@ -42,8 +44,12 @@ def memory_estimate(
     grads = segment_elements * master_bytes
     states = segment_elements * OPTIMIZER_STATE_BYTES[optimizer]
     unsharded = largest * param_bytes
-    # One group computing and the next one prefetched, plus one full gradient buffer in backward.
-    transient = 2 * unsharded + largest * (param_bytes if reduce_bytes is None else reduce_bytes)
+    # One group computing and the next one prefetched, plus one full gradient buffer in backward: in the
+    # narrower dtype and its cast to the reduce dtype at the reduction, or accumulating in the reduce dtype.
+    reduce_bytes = param_bytes if reduce_bytes is None else reduce_bytes
+    held = min(param_bytes, reduce_bytes)
+    grad_buffer = max(held + (reduce_bytes if reduce_bytes > held else 0), reduce_bytes)
+    transient = 2 * unsharded + largest * grad_buffer
     return dict(
         params=params,
         grads=grads,

@@ -41,8 +41,8 @@ class DBufferInfo:
     """What a probe knows about one DBuffer: its group, its index in the group, its sizes."""
 
     __slots__ = (
-        "dbuffer", "group", "index", "label", "unsharded_bytes", "grad_buffer_bytes", "cast_bytes", "reduce_cast_bytes",
-        "casts_seen", "quantizations_seen", "counted",
+        "dbuffer", "group", "index", "label", "unsharded_bytes", "grad_buffer_bytes", "grad_counted", "cast_bytes",
+        "landing_elements", "casts_seen", "quantizations_seen", "counted",
     )
 
     def __init__(self, dbuffer: DBuffer, group: str, index: int, dbuffers_in_group: int) -> None:
@@ -60,11 +60,24 @@ class DBufferInfo:
         self.casts_seen = dbuffer.shard_cast.casts
         self.quantizations_seen = 0 if dbuffer.fp8_gather is None else dbuffer.fp8_gather.quantizations
         """An fp8 gather writes its quantized chunk (unless a kept one serves) and dequantizes into the full buffer."""
-        grad_element = torch.empty((), dtype=dbuffer.unsharded_grad.dtype).element_size()
-        self.grad_buffer_bytes = dbuffer.layout.buffer_numel * grad_element
-        """The full gradient buffer is in the reduce dtype when it differs (gradients land there by a cast)."""
+        self.grad_buffer_bytes = dbuffer.layout.buffer_numel * dbuffer.grad_dtype.itemsize
+        """The full gradient buffer while gradients sync (the narrower of compute and reduce dtype)."""
+        self.grad_counted = 0
+        """Bytes of its gradient buffer in ``EngineProbe.grad_bytes`` (``no_sync`` accumulates in the reduce dtype)."""
         trainable = sum(p.numel() for p in dbuffer.unsharded_params.values() if p.requires_grad)
-        self.reduce_cast_bytes = trainable * grad_element if dbuffer.reduce_dtype != dbuffer.param_dtype else 0
+        self.landing_elements = trainable if dbuffer.reduce_dtype != dbuffer.param_dtype else 0
+        """Elements copied into the gradient buffer per reduction (gradients land by a copy, ``dbuffer.py``)."""
+
+    def reduce_copy_bytes(self) -> int:
+        """Bytes the engine copied for the reduction being issued: the gradients' landing, the cast to the reduce
+        dtype (``collectives.reduce``: this rank's segment for ``pairwise``, else the whole buffer)."""
+        dbuffer = self.dbuffer
+        grad, reduce_dtype = dbuffer.unsharded_grad, dbuffer.reduce_dtype
+        cast = 0
+        if grad.dtype != reduce_dtype:
+            numel = dbuffer.layout.segment_size if dbuffer.reduce_mode == "pairwise" else dbuffer.layout.buffer_numel
+            cast = numel * reduce_dtype.itemsize
+        return self.landing_elements * grad.element_size() + cast
 
 
 class _Subscription:
@@ -95,7 +108,9 @@ class EngineProbe:
         self.engine_copy_bytes = 0
         self.unsharded_bytes = sum(info.unsharded_bytes for info in self.dbuffers if info.counted)
         self.unsharded_peak_bytes = self.unsharded_bytes
-        self.grad_bytes = sum(info.grad_buffer_bytes for info in self.dbuffers if info.dbuffer.has_unsharded_grad)
+        for info in self.dbuffers:
+            info.grad_counted = info.dbuffer.unsharded_grad.untyped_storage().nbytes()
+        self.grad_bytes = sum(info.grad_counted for info in self.dbuffers)
         self.grad_peak_bytes = self.grad_bytes
         self.step = 0
         """Set by the caller (the Lightning callback sets the global step); named in diagnostics."""
@@ -170,16 +185,18 @@ class EngineProbe:
             self._next_sequence(info.dbuffer, event.collective)
             self.blocked_reduce_seconds += event.seconds
             if not failed:
-                self.engine_copy_bytes += info.reduce_cast_bytes
+                self.engine_copy_bytes += info.reduce_copy_bytes()
         elif kind is EventKind.REDUCE_WAITED:
             self.blocked_reduce_seconds += event.seconds
         elif kind is EventKind.GRAD_BUFFER_ALLOCATED:
             if not failed:
-                self.grad_bytes += info.grad_buffer_bytes
+                info.grad_counted = info.dbuffer.unsharded_grad.untyped_storage().nbytes()
+                self.grad_bytes += info.grad_counted
                 if self.grad_bytes > self.grad_peak_bytes:
                     self.grad_peak_bytes = self.grad_bytes
         elif kind is EventKind.GRAD_BUFFER_FREED:
-            self.grad_bytes -= info.grad_buffer_bytes
+            self.grad_bytes -= info.grad_counted
+            info.grad_counted = 0
         if not failed or not self.diagnostics:
             return None
         collective = "gradient buffer" if kind is EventKind.GRAD_BUFFER_ALLOCATED else event.collective

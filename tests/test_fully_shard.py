@@ -519,6 +519,32 @@ def test_dataclass_inputs_and_outputs_match_single_process(dist_pool, pattern):
         assert result["cast"] == ("torch.float32", "torch.float32", 1), result
 
 
+def check_deepcopy_refused() -> dict:
+    """``copy.deepcopy`` of a sharded model or any of its modules raises a clear error (FSDP2 refuses it too;
+    cloning the views of freed buffers crashed the process); a copy made before sharding trains apart."""
+    import copy
+
+    model = make_model()
+    before = copy.deepcopy(model)
+    lr.fully_shard(model)
+    errors = {}
+    for name, target in (("model", model), ("block", model.blocks[0]), ("head", model.head)):
+        try:
+            copy.deepcopy(target)
+            errors[name] = None
+        except TypeError as error:
+            errors[name] = str(error)
+    lm_loss(before, _local(make_batches(1, BATCH)[0])).backward()
+    return {"errors": errors, "copy_has_grads": all(p.grad is not None for p in before.parameters())}
+
+
+def test_deepcopy_of_a_sharded_model_is_refused_clearly(dist_pool):
+    for result in dist_pool(2).run(check_deepcopy_refused):
+        for name, error in result["errors"].items():
+            assert error is not None and "deep-copy the model before sharding" in error.lower(), (name, error)
+        assert result["copy_has_grads"], result
+
+
 def check_full_state_dict_round_trip() -> float:
     """full_state_dict returns original shapes; load_full_state_dict writes them back into the shards."""
     model = lr.fully_shard(make_model(), shard_granularity="element")

@@ -98,6 +98,15 @@ class RaggedFSDPState:
         total = numel(self.all_groups)
         return numel([g for g in self.all_groups if g.is_root]) / total if total else 0.0
 
+    def __deepcopy__(self, memo: dict) -> "RaggedFSDPState":
+        # Copying would clone parameter views whose storage is freed between uses (a crash, not an error).
+        raise TypeError(
+            "copy.deepcopy of a module sharded by lightning_ragged.fully_shard is not supported (as with torch's "
+            "FSDP2): its full parameters are views into flat buffers that are freed between uses. Deep-copy the "
+            "model before sharding it, or build a second model and load lr.full_state_dict(model) into it "
+            "(an EMA or teacher copy)"
+        )
+
     def dbuffers(self) -> Iterator[DBuffer]:
         for group in self.all_groups:
             yield from group.dbuffers

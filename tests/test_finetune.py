@@ -474,6 +474,53 @@ def test_exception_step_contributes_nothing(dist_pool, world_size, where):
         assert all(not any(a or b for a, b in buffers) for buffers in result["after_backward"].values()), (rank, result)
 
 
+class TwoBranchLM(nn.Module):
+    """Embedding, two blocks of which each forward runs one (a task or a route), head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        base = make_model()
+        self.embed, self.head = base.embed, base.head
+        self.blocks = nn.ModuleList(base.blocks[:2])
+
+    def forward(self, tokens: torch.Tensor, branch: int) -> torch.Tensor:
+        return self.head(self.blocks[branch](self.embed(tokens)))
+
+
+def _branch_loss(model: nn.Module, tokens: torch.Tensor, branch: int) -> torch.Tensor:
+    logits = model(tokens[:, :-1], branch)
+    return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+
+
+def check_block_only_in_no_sync_micro_batch() -> dict:
+    """Gradient accumulation where the ``no_sync`` micro-batch runs block 0 and the synchronized one block 1:
+    block 0's accumulated gradient is reduced at the synchronized backward (DDP reduces every bucket there),
+    not dropped, nor left in its buffer for the next step. 3 SGD steps vs one process on the global batches."""
+    first, second = make_batches(3, BATCH, seed=1), make_batches(3, BATCH, seed=2)
+    torch.manual_seed(0)
+    reference = TwoBranchLM()
+    model = TwoBranchLM()
+    model.load_state_dict(reference.state_dict())
+    lr.fully_shard(model, group_modules=[type(model.blocks[0])])
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (model, reference)]
+    for step in range(3):
+        with lr.no_sync(model):
+            _branch_loss(model, _local(first[step]), 0).backward()
+        _branch_loss(model, _local(second[step]), 1).backward()
+        _branch_loss(reference, first[step], 0).backward()
+        _branch_loss(reference, second[step], 1).backward()
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad()
+    return {"max_diff": _max_diff(lr.full_state_dict(model), reference)}
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_block_run_only_in_a_no_sync_micro_batch_is_reduced(dist_pool, world_size):
+    for result in dist_pool(world_size).run(check_block_only_in_no_sync_micro_batch):
+        assert result["max_diff"] <= TOLERANCE, result
+
+
 # ------------------------------------------------ 6. no_sync accumulates in the reduce dtype
 MICRO_BATCHES = 4
 UNIT_ROUNDOFF = 2.0**-24  # fp32

@@ -320,7 +320,10 @@ class RaggedFSDPState:
 
     def _end_of_backward(self) -> None:
         for group in self.all_groups:
-            if group.backward_prepared or group.forward_calls:
+            # a group with gradients from no_sync micro-batches is reduced by the synchronized backward even when
+            # it did not run in it (DDP reduces every bucket): a block only an earlier micro-batch's branch used
+            accumulated = self.requires_gradient_sync and any(d.has_unsharded_grad for d in group.dbuffers)
+            if group.backward_prepared or group.forward_calls or accumulated:
                 self._finish_group(group)
             elif group.is_unsharded or group.unshard_pending:
                 # ran forward with reshard_after_forward=False but got no gradient, or was prefetched and did not

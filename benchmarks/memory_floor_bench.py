@@ -186,7 +186,8 @@ def section(results: dict[tuple[int, str], list[dict]]) -> str:
             )
     lines += [
         "",
-        "At the fp32 peak (the loss's backward) both FSDPs hold the same sharded parameters and AdamW state, "
+        "At the peak (the loss's backward, in fp32; in bf16 too, where lightning_ragged holds its gradients in "
+        "bf16 until the reduction, as FSDP2 does) both FSDPs hold the same sharded parameters and AdamW state, "
         "the root's full buffers and the activations; the only framework-held tensor there that backward does "
         "not need is the token embedding's full weight (its backward reads only the indices). A group of its "
         "own frees it after the forward, in either framework alike: the same floor for both, ~0.96x of the "
@@ -194,54 +195,39 @@ def section(results: dict[tuple[int, str], list[dict]]) -> str:
         "tensor bytes; what remains between the frameworks on a GPU is the allocator (reserved memory, streams).",
         "",
     ]
-    model = memory_bench.make_gpt(memory_bench.CFG)
-    head = sum(p.numel() for p in [*model.head.parameters(), *model.ln_f.parameters()])
-    total = sum(p.numel() for p in model.parameters())
     for (world, precision), gathered in results.items():
         pairwise, all_reduce = (peak_of(gathered, name) for name in ("ragged", "ragged-allreduce"))
         lines.append(
             f"- W={world} {precision}: the pairwise reduction's peak is "
             f"{mib(pairwise['peak_bytes'] - all_reduce['peak_bytes'], '+.1f')} MiB over the in-place all-reduce's "
             f"(its scratch in flight at the peak: {mib(pairwise['held']['reduction'])} MiB, (W-1)/W of the reducing "
-            "DBuffer's fp32 gradients)."
+            "DBuffer's gradient buffer, in its dtype: bf16 under bf16 compute)."
         )
-    def over(gathered: list[dict]) -> bool:
-        return peak_of(gathered, "ragged")["peak_bytes"] > peak_of(gathered, "fsdp2")["peak_bytes"]
-
-    above = [(world, gathered) for (world, precision), gathered in results.items()
-             if precision == "bf16" and over(gathered)]
-    if above:
-        lines += ["", "Where lightning_ragged's bf16 peak is above FSDP2's (blocks + root):"]
-    for world, gathered in above:
+    model = memory_bench.make_gpt(memory_bench.CFG)
+    head = sum(p.numel() for p in [*model.head.parameters(), *model.ln_f.parameters()])
+    total = sum(p.numel() for p in model.parameters())
+    lines += ["", "lightning_ragged's bf16 peak against FSDP2's (blocks + root):"]
+    for (world, precision), gathered in results.items():
+        if precision != "bf16":
+            continue
         ours, theirs = peak_of(gathered, "ragged"), peak_of(gathered, "fsdp2")
-        holders = ", ".join(f"{group} {mib(size)} MiB" for group, size in ours["held"]["grads_of"].items())
+        holders = ", ".join(f"{group} {mib(size)} MiB" for group, size in ours["held"]["grads_of"].items()) or "none"
         lines.append(
-            f"- W={world}: +{mib(ours['peak_bytes'] - theirs['peak_bytes'])} MiB. Its peak falls in a block's backward "
-            f"(`{ours['peak_at']}`) with {mib(ours['held']['grads'])} MiB of full gradients ({holders}), "
-            f"{mib(ours['held']['reduction'])} MiB of reduction scratch and "
-            f"{mib(ours['peak_bytes'] - framework_bytes(ours))} "
-            f"MiB of the rest; FSDP2's at `{theirs['peak_at']}` with {mib(theirs['held']['params'])} MiB of full "
-            f"parameters, {mib(theirs['held']['grads'])} MiB of full gradients, {mib(theirs['held']['reduction'])} MiB "
-            f"of reduction buffers and {mib(theirs['peak_bytes'] - framework_bytes(theirs))} MiB of the rest"
+            f"- W={world}: {(ours['peak_bytes'] - theirs['peak_bytes']) / 2**10:+,.1f} KiB, at `{ours['peak_at']}` "
+            f"(full gradients held there: {holders}; reduction scratch {mib(ours['held']['reduction'])} MiB) against "
+            f"FSDP2's at `{theirs['peak_at']}`"
             + (" (no full parameters in backward: its root's post-backward has resharded the root, so this is the "
-               "root's reduce-scatter at the end of backward, its gradients and input in local variables)."
+               "root's reduce-scatter at the end of backward, its gradients and fp32 input in local variables)."
                if theirs["held"]["params"] == 0 else ".")
         )
-    if above:
-        lines += [
-            "",
-            "Why: lightning_ragged casts each bf16 gradient into its DBuffer's fp32 gradient buffer as it arrives "
-            "(`reduce_dtype=fp32`). The root's (final norm and head here, "
-            f"{head / 1e6:.2f}M parameters: {mib(head * 4)} MiB in fp32) stays there until the root's reduction at "
-            "the end of backward, and the previous block's buffer stays while its reduction is in flight beside the "
-            "running block's (at most one in flight), with the pairwise scratch. FSDP2 reduces its root at the end of "
-            "backward too (its root post-backward callback), but until then keeps each gradient in bf16 on the "
-            "unsharded parameter and casts it to fp32 only for the reduce-scatter: half the bytes held through the "
-            "blocks' backward. Keeping gradients in the compute dtype until the reduction would close this; not "
-            f"done: on this model the final norm and head are {head / total:.0%} of the parameters (more than in "
-            "most LLMs), and whether it matters at a GPU peak (where the logits dominate) is `benchmarks/gpu.py`'s "
-            "to measure.",
-        ]
+    lines += [
+        "",
+        "The gradients: under `MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)` each DBuffer's gradient "
+        "buffer holds bf16 (the narrower dtype), the pairwise reduction sends bf16 segments and sums them into an "
+        "fp32 copy of this rank's own (exact: widening loses nothing); so the root's gradients (final norm and head "
+        f"here, {head / 1e6:.2f}M parameters, {head / total:.0%} of the model) take {mib(head * 2)} MiB through the "
+        f"backward, not {mib(head * 4)} MiB in fp32, and the blocks' backward no longer sets the peak.",
+    ]
     return "\n".join(lines)
 
 

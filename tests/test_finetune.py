@@ -521,6 +521,109 @@ def test_block_run_only_in_a_no_sync_micro_batch_is_reduced(dist_pool, world_siz
         assert result["max_diff"] <= TOLERANCE, result
 
 
+class _Gated(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, use: bool) -> torch.Tensor:
+        return x + self.linear(x) if use else x * 1.0  # its weights get a gradient only where used
+
+
+class _Plain(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, use: bool) -> torch.Tensor:
+        return x + self.linear(x)
+
+
+class _GatedBranches(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.gated, self.plain, self.out = nn.Linear(8, 8), _Gated(), _Plain(), nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor, branch: int, use: bool = True) -> torch.Tensor:
+        return self.out((self.gated if branch == 0 else self.plain)(self.inp(x), use))
+
+
+def check_gated_block_only_in_no_sync_micro_batch() -> dict:
+    """As above, and the ``no_sync`` branch's weights get a gradient on rank 0 only (routed): every rank must
+    still reduce that block at the synchronized backward (a buffer on rank 0 only mismatched the collectives)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    reference = _GatedBranches()
+    model = _GatedBranches()
+    model.load_state_dict(reference.state_dict())
+    lr.fully_shard(model, group_modules=[_Gated, _Plain])
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, reference)]
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(2):
+        first, second = (torch.randn(world, 2, 8, generator=generator) for _ in range(2))
+        with lr.no_sync(model):
+            model(first[rank], 0, use=rank == 0).sum().backward()
+        model(second[rank], 1).sum().backward()
+        loss = sum(reference(first[r], 0, use=r == 0).sum() + reference(second[r], 1).sum() for r in range(world))
+        (loss / world).backward()
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad()
+    return {"max_diff": _max_diff(lr.full_state_dict(model), reference)}
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_gated_block_only_in_a_no_sync_micro_batch_is_reduced_on_every_rank(dist_pool, world_size):
+    for result in dist_pool(world_size).run(check_gated_block_only_in_no_sync_micro_batch):
+        assert result["max_diff"] <= TOLERANCE, result
+
+
+def check_out_of_memory_while_the_gradient_buffer_changes_dtype() -> dict:
+    """bf16 compute, fp32 reduction: a synchronized step holds bf16 gradient buffers, a ``no_sync`` micro-batch
+    fp32 ones; the fp32 allocation fails once (an injected OOM), then the step is retried. The retried
+    micro-batches give the gradients of a run without the failure."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from lightning_ragged.engine import storage
+
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    data = make_batches(3, BATCH, seed=4)
+    grads = {}
+    for run in ("clean", "oom"):
+        model = lr.fully_shard(make_model(), mp_policy=policy)
+        lm_loss(model, _local(data[0])).backward()  # synchronized: bf16 buffers
+        model.zero_grad(set_to_none=True)
+        if run == "oom":
+            allocate, failed = storage.allocate, []
+
+            def failing(tensor: torch.Tensor, nbytes: int) -> None:
+                if tensor.dtype == torch.float32 and not failed:
+                    failed.append(nbytes)
+                    raise torch.OutOfMemoryError("injected")
+                allocate(tensor, nbytes)
+
+            storage.allocate = failing
+            try:
+                with lr.no_sync(model), contextlib.suppress(torch.OutOfMemoryError):
+                    lm_loss(model, _local(data[1])).backward()
+            finally:
+                storage.allocate = allocate
+            assert failed, "the injected OOM did not fire"
+            model.zero_grad(set_to_none=True)
+        with lr.no_sync(model):
+            lm_loss(model, _local(data[1])).backward()
+        lm_loss(model, _local(data[2])).backward()
+        grads[run] = {name: param.grad.clone() for name, param in model.named_parameters()
+                      if param.grad is not None and param.grad.numel()}  # a rank may hold none of a parameter
+    assert grads["clean"].keys() == grads["oom"].keys()
+    return {"max_diff": max((grads["clean"][k] - grads["oom"][k]).abs().max().item() for k in grads["clean"])}
+
+
+def test_out_of_memory_while_the_gradient_buffer_changes_dtype_is_recovered(dist_pool):
+    for result in dist_pool(2).run(check_out_of_memory_while_the_gradient_buffer_changes_dtype):
+        assert result["max_diff"] == 0.0, result
+
+
 # ------------------------------------------------ 6. no_sync accumulates in the reduce dtype
 MICRO_BATCHES = 4
 UNIT_ROUNDOFF = 2.0**-24  # fp32

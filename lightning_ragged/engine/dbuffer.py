@@ -101,8 +101,7 @@ class DBuffer:
         self.master_dtype = first.dtype
         self.param_dtype = param_dtype or self.master_dtype
         self.reduce_dtype = reduce_dtype or self.param_dtype
-        self.grad_dtype = min((self.reduce_dtype, self.param_dtype), key=lambda dtype: dtype.itemsize)
-        """What the gradient buffer holds while gradients sync (the reduce dtype on a tie)."""
+        self.grad_dtype = min((self.reduce_dtype, self.param_dtype), key=lambda dtype: dtype.itemsize)  # tie: reduce
         self.shard_cast = ShardCast(self.param_dtype, keep_cast_shard)
         segment = layout.segment_size
         self.segment = slice(self.rank * segment, (self.rank + 1) * segment)
@@ -170,6 +169,7 @@ class DBuffer:
 
     def _view_grad_buffer(self) -> None:
         self._unsharded_grad_views = {name: self.full_view(self.unsharded_grad, name) for name in self._shapes}
+        self._views_of = self.unsharded_grad
 
     @property
     def fp8_gather(self) -> Fp8Gather | None:
@@ -298,8 +298,7 @@ class DBuffer:
         return changed
 
     def ensure_grad_buffer(self, accumulate: bool = False) -> None:
-        """Allocate the gradient buffer (at the first gradient, or zeroed for a reduction that got none);
-        ``accumulate``: for ``no_sync`` micro-batches, in the reduce dtype."""
+        """Allocate the gradient buffer (first gradient, or a reduction that got none); ``no_sync``: reduce dtype."""
         if not self.has_unsharded_grad:
             dtype = self.reduce_dtype if accumulate else self.grad_dtype
             observed(self, EventKind.GRAD_BUFFER_ALLOCATED, None, self._allocate_grad, dtype)
@@ -309,10 +308,10 @@ class DBuffer:
             self.unsharded_grad = torch.empty(self.full_numel, dtype=dtype, device=self.device)
             self._view_grad_buffer()
         else:
-            switch = self.unsharded_grad.dtype != dtype
-            self.unsharded_grad = self._grad_placeholders[dtype]
-            storage.allocate(self.unsharded_grad, self.full_numel * dtype.itemsize)
-            if switch:
+            target = self._grad_placeholders[dtype]
+            storage.allocate(target, self.full_numel * dtype.itemsize)  # first: an OOM here changes nothing
+            self.unsharded_grad = target
+            if self._views_of is not target:
                 self._view_grad_buffer()
         if self._land_by_copy:  # gradients will write their views: zero only the padding between them
             for gap in self._padding:
@@ -427,7 +426,8 @@ class DBuffer:
             param.grad = None
         self._landed.clear()
         if adopted:  # single rank: forget the buffer and its views, which would keep it alive
-            self.unsharded_grad, self._unsharded_grad_views = self._grad_placeholders[self.grad_dtype], {}
+            self.unsharded_grad = self._grad_placeholders[self.grad_dtype]
+            self._unsharded_grad_views, self._views_of = {}, None
         if (adopted or storage.free(self.unsharded_grad)) and self.observers:
             notify(self, EventKind.GRAD_BUFFER_FREED)
 

@@ -296,13 +296,17 @@ class RaggedFSDPState:
 
     def _finish_group(self, group: ShardGroup) -> None:
         """Reduce every trainable DBuffer of a group that ran backward (zeros where no gradient arrived here:
-        its peers may have some), then reshard. Under ``no_sync`` the gradient buffers keep accumulating."""
+        its peers may have some), then reshard. Under ``no_sync`` the gradient buffers (allocated, in the reduce dtype)
+        keep accumulating."""
         for dbuffer in group.dbuffers:
-            if dbuffer in self._reduced or not self.requires_gradient_sync:
+            if dbuffer in self._reduced:
                 continue
             if dbuffer.has_unsharded_grad or (group.backward_prepared and dbuffer.trainable):
-                dbuffer.ensure_grad_buffer()
-                self._reduce(dbuffer)
+                # every rank that ran the group holds its buffers, also under no_sync, so which DBuffers a
+                # synchronized backward reduces never depends on where this rank's gradients reached
+                dbuffer.ensure_grad_buffer(accumulate=not self.requires_gradient_sync)
+                if self.requires_gradient_sync:
+                    self._reduce(dbuffer)
         group.reshard_after_backward_step()
         group.end_backward()
 

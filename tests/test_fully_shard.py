@@ -452,11 +452,24 @@ def test_output_dtype_casts_module_outputs_as_fsdp2(dist_pool):
 
 @dataclasses.dataclass
 class Hidden:
-    """A user's own dataclass between blocks (not registered with torch's pytree)."""
+    """A user's own dataclass between blocks (not registered with torch's pytree), with an ``InitVar``
+    (``dataclasses.replace`` cannot rebuild it) and a field ``__post_init__`` computes."""
 
     states: torch.Tensor
     scale: torch.Tensor
+    damping: dataclasses.InitVar[float]
     depth: int = 0
+    next_scale: torch.Tensor = dataclasses.field(init=False)
+
+    def __post_init__(self, damping: float) -> None:
+        self.next_scale = self.scale * damping
+
+
+@dataclasses.dataclass
+class Calls:
+    """Passed to every block, which counts itself in: the caller must see the count (no copy)."""
+
+    count: int = 0
 
 
 class DataclassBlock(nn.Module):
@@ -464,8 +477,10 @@ class DataclassBlock(nn.Module):
         super().__init__()
         self.linear = nn.Linear(width, width)
 
-    def forward(self, hidden: Hidden) -> Hidden:
-        return Hidden(torch.tanh(self.linear(hidden.states)) * hidden.scale, hidden.scale * 0.9, hidden.depth + 1)
+    def forward(self, hidden: Hidden, calls: Calls | None = None) -> Hidden:
+        if calls is not None:
+            calls.count += 1
+        return Hidden(torch.tanh(self.linear(hidden.states)) * hidden.scale, hidden.next_scale, 0.9, hidden.depth + 1)
 
 
 class DataclassModel(nn.Module):
@@ -476,9 +491,10 @@ class DataclassModel(nn.Module):
         self.head = nn.Linear(width, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        hidden = Hidden(x, self.scale)
+        hidden, calls = Hidden(x, self.scale, 0.9), Calls()
         for block in self.blocks:
-            hidden = block(hidden)
+            hidden = block(hidden, calls=calls)
+        self.calls = calls.count
         return self.head(hidden.states).pow(2).mean()
 
 
@@ -507,8 +523,8 @@ def check_dataclass_inputs_and_outputs(pattern: str) -> dict:
 
     cast = DataclassBlock(12)
     lr.fully_shard(cast, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, output_dtype=torch.float32))
-    out = cast(Hidden(torch.randn(2, 12), torch.ones(12)))
-    return {"max_diff": _max_diff(lr.full_state_dict(model), reference),
+    out = cast(Hidden(torch.randn(2, 12), torch.ones(12), 0.9))
+    return {"max_diff": _max_diff(lr.full_state_dict(model), reference), "calls": model.calls,
             "cast": (str(out.states.dtype), str(out.scale.dtype), out.depth)}
 
 
@@ -517,6 +533,7 @@ def test_dataclass_inputs_and_outputs_match_single_process(dist_pool, pattern):
     for result in dist_pool(2).run(check_dataclass_inputs_and_outputs, pattern):
         assert result["max_diff"] <= 1e-6, result
         assert result["cast"] == ("torch.float32", "torch.float32", 1), result
+        assert result["calls"] == 3, result  # every block counted itself into the caller's own object
 
 
 def check_deepcopy_refused() -> dict:

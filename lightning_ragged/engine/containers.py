@@ -5,11 +5,15 @@ cast) with torch's pytree, which enters only registered containers (tuple, list,
 namedtuple, OrderedDict, and types such as transformers' ``ModelOutput`` that register
 themselves). A user's own ``@dataclass`` is a leaf there, so its tensors would be missed and
 the backward would reach a resharded block (FSDP2 enters dataclasses). Here an unregistered
-dataclass instance is entered field by field and rebuilt with ``dataclasses.replace``.
+dataclass instance is entered field by field. One whose tensors are all kept is returned as it
+is (the caller sees what the module does to it); otherwise a shallow copy gets the new tensors,
+set as attributes: no ``__init__``/``__post_init__`` runs again (``dataclasses.replace`` would
+need every ``InitVar``), frozen dataclasses included.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from typing import Any, Callable
 
@@ -18,9 +22,9 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 
 def _entered_fields(value: Any) -> list[str]:
-    """The fields of an unregistered dataclass instance (those ``dataclasses.replace`` can set); else none."""
+    """The fields of an unregistered dataclass instance; else none."""
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return [field.name for field in dataclasses.fields(value) if field.init]
+        return [field.name for field in dataclasses.fields(value)]
     return []
 
 
@@ -30,9 +34,18 @@ def map_tensors(fn: Callable[[torch.Tensor], Any], tree: Any) -> Any:
     def leaf(value: Any) -> Any:
         if isinstance(value, torch.Tensor):
             return fn(value)
-        fields = _entered_fields(value)
-        return dataclasses.replace(value, **{name: map_tensors(fn, getattr(value, name)) for name in fields}) \
-            if fields else value
+        changed = {}
+        for name in _entered_fields(value):
+            field = getattr(value, name)
+            mapped = map_tensors(fn, field)
+            if mapped is not field:
+                changed[name] = mapped
+        if not changed:
+            return value
+        copied = copy.copy(value)
+        for name, mapped in changed.items():
+            object.__setattr__(copied, name, mapped)  # frozen dataclasses too
+        return copied
 
     return tree_map(leaf, tree)
 

@@ -179,8 +179,8 @@ def auto_plan(
 
     ``groups``: :class:`GroupKind` list, blocks first and the root last (or anything with a
     ``.groups`` list of them, e.g. the plan report's ``ModelDescription``). ``replicate_degree``:
-    fix R (default: search every divisor of ``world_size``). ``reduce_bytes``: the full gradient buffer's
-    element size (the policy's ``reduce_dtype``; None: ``param_bytes``). :class:`BudgetTooSmall` (a ``ValueError``)
+    fix R (default: search every divisor of ``world_size``). ``reduce_bytes``: the reduction's
+    element size (the policy's ``reduce_dtype``; None: ``param_bytes``; ``memory.py`` sizes the gradient buffers). :class:`BudgetTooSmall` (a ``ValueError``)
     if no choice fits; ``ValueError`` for a bad argument.
     """
     kinds = list(getattr(groups, "groups", groups))

@@ -33,7 +33,8 @@ Keys (prefix ``ragged_fsdp/``; "per step" values are means over the logging wind
 ``dbuffer_sharded_bytes``          this rank's parameter segments (persistent)
 ``dbuffer_sharded_grad_bytes``     this rank's gradient segments (persistent once allocated)
 ``dbuffer_unsharded_peak_bytes``   peak bytes of full parameter buffers alive at once in the window
-``dbuffer_grad_peak_bytes``        peak bytes of full gradient buffers alive at once in the window
+``dbuffer_grad_peak_bytes``        peak bytes of full gradient buffers alive at once in the window (not the
+                                   reduction's temporaries: pairwise scratch, the fp32 cast of a bf16 buffer)
 ``process_memory_bytes``           RSS now (CPU) or ``torch.cuda.memory_allocated`` (CUDA)
 ``process_peak_memory_bytes``      peak RSS since start (CPU) or ``torch.cuda.max_memory_allocated`` (CUDA)
 ``padding_ratio``                  planner padding / parameters, all groups

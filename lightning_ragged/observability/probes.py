@@ -69,8 +69,9 @@ class DBufferInfo:
         """Elements copied into the gradient buffer per reduction (gradients land by a copy, ``dbuffer.py``)."""
 
     def reduce_copy_bytes(self) -> int:
-        """Bytes the engine copied for the reduction being issued: the gradients' landing, the cast to the reduce
-        dtype (``collectives.reduce``: this rank's segment for ``pairwise``, else the whole buffer)."""
+        """Bytes the engine copied for the reduction being issued: the gradients' landing (once per reduction,
+        also after ``no_sync`` micro-batches), the cast to the reduce dtype (``collectives.reduce``: this rank's
+        segment for ``pairwise``, else the whole buffer; on a single rank the write into the sharded gradient)."""
         dbuffer = self.dbuffer
         grad, reduce_dtype = dbuffer.unsharded_grad, dbuffer.reduce_dtype
         cast = 0
@@ -232,11 +233,17 @@ class EngineProbe:
             return self.timer.blocked_seconds
         return self.blocked_all_gather_seconds + self.blocked_reduce_seconds
 
+    def _grad_allocation_bytes(self, info: DBufferInfo) -> int:
+        """What a gradient buffer allocation asks for: in the reduce dtype under ``no_sync``."""
+        if self.state.requires_gradient_sync:
+            return info.grad_buffer_bytes
+        return info.dbuffer.layout.buffer_numel * info.dbuffer.reduce_dtype.itemsize
+
     def _failure(self, info: DBufferInfo, collective: str, seconds: float) -> diagnostics.Failure:
         return diagnostics.Failure(
             dbuffer=info.dbuffer,
             label=info.label,
-            buffer_bytes=info.grad_buffer_bytes if collective == "gradient buffer" else info.unsharded_bytes,
+            buffer_bytes=self._grad_allocation_bytes(info) if collective == "gradient buffer" else info.unsharded_bytes,
             step=self.step,
             sequence=self.pending_sequence(info.dbuffer, collective),
             group_key=self.group_key(info.dbuffer),

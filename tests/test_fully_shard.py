@@ -453,23 +453,30 @@ def test_output_dtype_casts_module_outputs_as_fsdp2(dist_pool):
 @dataclasses.dataclass
 class Hidden:
     """A user's own dataclass between blocks (not registered with torch's pytree), with an ``InitVar``
-    (``dataclasses.replace`` cannot rebuild it) and a field ``__post_init__`` computes."""
+    (``dataclasses.replace`` cannot rebuild it), a field ``__post_init__`` computes, one never set (a lazy
+    cache), and a ``__getstate__`` that leaves ``depth`` out of pickles (``copy.copy`` would drop it too)."""
 
     states: torch.Tensor
     scale: torch.Tensor
     damping: dataclasses.InitVar[float]
     depth: int = 0
     next_scale: torch.Tensor = dataclasses.field(init=False)
+    cache: torch.Tensor = dataclasses.field(init=False, repr=False)
 
     def __post_init__(self, damping: float) -> None:
         self.next_scale = self.scale * damping
 
+    def __getstate__(self) -> dict:
+        return {name: value for name, value in self.__dict__.items() if name != "depth"}
+
 
 @dataclasses.dataclass
 class Calls:
-    """Passed to every block, which counts itself in: the caller must see the count (no copy)."""
+    """Passed to every block, which counts itself in: the caller must see the count and the list (no copy)."""
 
     count: int = 0
+    seen: list = dataclasses.field(default_factory=list)
+    shape: tuple = (12,)
 
 
 class DataclassBlock(nn.Module):
@@ -480,6 +487,7 @@ class DataclassBlock(nn.Module):
     def forward(self, hidden: Hidden, calls: Calls | None = None) -> Hidden:
         if calls is not None:
             calls.count += 1
+            calls.seen.append(hidden.depth)
         return Hidden(torch.tanh(self.linear(hidden.states)) * hidden.scale, hidden.next_scale, 0.9, hidden.depth + 1)
 
 
@@ -494,7 +502,7 @@ class DataclassModel(nn.Module):
         hidden, calls = Hidden(x, self.scale, 0.9), Calls()
         for block in self.blocks:
             hidden = block(hidden, calls=calls)
-        self.calls = calls.count
+        self.calls = (calls.count, calls.seen)
         return self.head(hidden.states).pow(2).mean()
 
 
@@ -533,7 +541,7 @@ def test_dataclass_inputs_and_outputs_match_single_process(dist_pool, pattern):
     for result in dist_pool(2).run(check_dataclass_inputs_and_outputs, pattern):
         assert result["max_diff"] <= 1e-6, result
         assert result["cast"] == ("torch.float32", "torch.float32", 1), result
-        assert result["calls"] == 3, result  # every block counted itself into the caller's own object
+        assert result["calls"] == (3, [0, 1, 2]), result  # every block counted itself into the caller's own object
 
 
 def check_deepcopy_refused() -> dict:

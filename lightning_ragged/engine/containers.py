@@ -5,49 +5,70 @@ cast) with torch's pytree, which enters only registered containers (tuple, list,
 namedtuple, OrderedDict, and types such as transformers' ``ModelOutput`` that register
 themselves). A user's own ``@dataclass`` is a leaf there, so its tensors would be missed and
 the backward would reach a resharded block (FSDP2 enters dataclasses). Here an unregistered
-dataclass instance is entered field by field. One whose tensors are all kept is returned as it
-is (the caller sees what the module does to it); otherwise a shallow copy gets the new tensors,
-set as attributes: no ``__init__``/``__post_init__`` runs again (``dataclasses.replace`` would
-need every ``InitVar``), frozen dataclasses included.
+dataclass instance is entered field by field. A container whose tensors are all kept is returned
+as it is (the caller sees what the module writes into it); otherwise a shallow copy gets the new
+tensors, set as attributes: no ``__init__``/``__post_init__`` runs again (``dataclasses.replace``
+would need every ``InitVar``), frozen and slotted dataclasses included.
 """
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 from typing import Any, Callable
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 
-def _entered_fields(value: Any) -> list[str]:
-    """The fields of an unregistered dataclass instance; else none."""
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return [field.name for field in dataclasses.fields(value)]
-    return []
+_MISSING = object()
+
+
+def _entered_fields(value: Any) -> list[tuple[str, Any]]:
+    """The set fields of an unregistered dataclass instance, in declaration order; else none."""
+    if not dataclasses.is_dataclass(value) or isinstance(value, type):
+        return []
+    fields = ((field.name, getattr(value, field.name, _MISSING)) for field in dataclasses.fields(value))
+    return [(name, field) for name, field in fields if field is not _MISSING]  # init=False, never assigned: none
+
+
+def _shallow_copy(value: Any) -> Any:
+    """A new instance with ``value``'s attributes, made without ``__init__`` or the pickle protocol
+    (``copy.copy`` would honour ``__getstate__``/``__copy__``)."""
+    copied = object.__new__(type(value))
+    if hasattr(value, "__dict__"):
+        copied.__dict__.update(value.__dict__)
+    for cls in type(value).__mro__:
+        slots = cls.__dict__.get("__slots__", ())
+        for slot in (slots,) if isinstance(slots, str) else slots:
+            if slot not in ("__dict__", "__weakref__") and hasattr(value, slot):
+                object.__setattr__(copied, slot, getattr(value, slot))
+    return copied
 
 
 def map_tensors(fn: Callable[[torch.Tensor], Any], tree: Any) -> Any:
-    """``tree`` with every tensor ``t`` replaced by ``fn(t)``."""
+    """``tree`` with every tensor ``t`` replaced by ``fn(t)``; every container whose tensors all came back
+    the same objects is ``tree``'s own (lists, dicts and dataclasses a module may write into stay shared)."""
+    leaves, spec = tree_flatten(tree)
+    mapped = [_map_leaf(fn, leaf) for leaf in leaves]
+    if all(new is old for new, old in zip(mapped, leaves)):
+        return tree
+    return tree_unflatten(mapped, spec)
 
-    def leaf(value: Any) -> Any:
-        if isinstance(value, torch.Tensor):
-            return fn(value)
-        changed = {}
-        for name in _entered_fields(value):
-            field = getattr(value, name)
-            mapped = map_tensors(fn, field)
-            if mapped is not field:
-                changed[name] = mapped
-        if not changed:
-            return value
-        copied = copy.copy(value)
-        for name, mapped in changed.items():
-            object.__setattr__(copied, name, mapped)  # frozen dataclasses too
-        return copied
 
-    return tree_map(leaf, tree)
+def _map_leaf(fn: Callable[[torch.Tensor], Any], value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    changed = {}
+    for name, field in _entered_fields(value):
+        mapped = map_tensors(fn, field)
+        if mapped is not field:
+            changed[name] = mapped
+    if not changed:
+        return value
+    copied = _shallow_copy(value)
+    for name, mapped in changed.items():
+        object.__setattr__(copied, name, mapped)  # frozen dataclasses too; a custom __setattr__ is bypassed
+    return copied
 
 
 def tensors_requiring_grad(tree: Any) -> list[torch.Tensor]:
@@ -58,8 +79,8 @@ def tensors_requiring_grad(tree: Any) -> list[torch.Tensor]:
             if value.requires_grad:
                 found.append(value)
         else:
-            for name in _entered_fields(value):
-                found += tensors_requiring_grad(getattr(value, name))
+            for _name, field in _entered_fields(value):
+                found += tensors_requiring_grad(field)
     return found
 
 

@@ -302,11 +302,12 @@ class RaggedFSDPState:
             if dbuffer in self._reduced:
                 continue
             if dbuffer.has_unsharded_grad or (group.backward_prepared and dbuffer.trainable):
-                # every rank that ran the group holds its buffers, also under no_sync, so which DBuffers a
-                # synchronized backward reduces never depends on where this rank's gradients reached
-                dbuffer.ensure_grad_buffer(accumulate=not self.requires_gradient_sync)
                 if self.requires_gradient_sync:
+                    dbuffer.ensure_grad_buffer()
                     self._reduce(dbuffer)
+                elif not dbuffer.single_rank:  # every rank that ran the group holds its buffers, so which
+                    # DBuffers a synchronized backward reduces never depends on where this rank's gradients reached
+                    dbuffer.ensure_grad_buffer(accumulate=True)
         group.reshard_after_backward_step()
         group.end_backward()
 

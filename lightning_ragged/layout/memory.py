@@ -45,10 +45,11 @@ def memory_estimate(
     states = segment_elements * OPTIMIZER_STATE_BYTES[optimizer]
     unsharded = largest * param_bytes
     # One group computing and the next one prefetched, plus one full gradient buffer in backward: in the
-    # narrower dtype and its cast to the reduce dtype at the reduction, or accumulating in the reduce dtype.
+    # narrower dtype, and its cast to a wider reduce dtype at the reduction (no_sync's buffer in the reduce
+    # dtype alone is never larger).
     reduce_bytes = param_bytes if reduce_bytes is None else reduce_bytes
     held = min(param_bytes, reduce_bytes)
-    grad_buffer = max(held + (reduce_bytes if reduce_bytes > held else 0), reduce_bytes)
+    grad_buffer = held + (reduce_bytes if reduce_bytes > held else 0)
     transient = 2 * unsharded + largest * grad_buffer
     return dict(
         params=params,

@@ -40,6 +40,13 @@ WORLD_SIZES = [2, 3]
 
 
 # ------------------------------------------------------------------------- helpers
+def _step(optimizers: list[torch.optim.Optimizer]) -> None:
+    """One step of every optimizer (the sharded model's and its oracle's), then their gradients cleared."""
+    for optimizer in optimizers:
+        optimizer.step()
+        optimizer.zero_grad()
+
+
 def _trainable(model: nn.Module) -> list[nn.Parameter]:
     return [p for p in model.parameters() if p.requires_grad]
 
@@ -291,9 +298,7 @@ def check_freeze_between_backwards(nested: bool) -> dict:
                     param.requires_grad_(True)
 
             _inside_root_forward(net, run) if nested and net is model else run()
-        for optimizer in optimizers:
-            optimizer.step()
-            optimizer.zero_grad()
+        _step(optimizers)
     return {"max_diff": _max_diff(lr.full_state_dict(model), reference)}
 
 
@@ -509,16 +514,8 @@ def check_block_only_in_no_sync_micro_batch() -> dict:
         _branch_loss(model, _local(second[step]), 1).backward()
         _branch_loss(reference, first[step], 0).backward()
         _branch_loss(reference, second[step], 1).backward()
-        for optimizer in optimizers:
-            optimizer.step()
-            optimizer.zero_grad()
+        _step(optimizers)
     return {"max_diff": _max_diff(lr.full_state_dict(model), reference)}
-
-
-@pytest.mark.parametrize("world_size", WORLD_SIZES)
-def test_block_run_only_in_a_no_sync_micro_batch_is_reduced(dist_pool, world_size):
-    for result in dist_pool(world_size).run(check_block_only_in_no_sync_micro_batch):
-        assert result["max_diff"] <= TOLERANCE, result
 
 
 class _Gated(nn.Module):
@@ -566,15 +563,17 @@ def check_gated_block_only_in_no_sync_micro_batch() -> dict:
         model(second[rank], 1).sum().backward()
         loss = sum(reference(first[r], 0, use=r == 0).sum() + reference(second[r], 1).sum() for r in range(world))
         (loss / world).backward()
-        for optimizer in optimizers:
-            optimizer.step()
-            optimizer.zero_grad()
+        _step(optimizers)
     return {"max_diff": _max_diff(lr.full_state_dict(model), reference)}
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
-def test_gated_block_only_in_a_no_sync_micro_batch_is_reduced_on_every_rank(dist_pool, world_size):
-    for result in dist_pool(world_size).run(check_gated_block_only_in_no_sync_micro_batch):
+@pytest.mark.parametrize(
+    "check", [check_block_only_in_no_sync_micro_batch, check_gated_block_only_in_no_sync_micro_batch],
+    ids=["every-rank", "gated-on-rank-0"],
+)
+def test_block_run_only_in_a_no_sync_micro_batch_is_reduced_on_every_rank(dist_pool, world_size, check):
+    for result in dist_pool(world_size).run(check):
         assert result["max_diff"] <= TOLERANCE, result
 
 

@@ -356,11 +356,8 @@ def _dbuffer_params(
 
 def _view_unit(alignment: int | None, master_dtype: torch.dtype, param_dtype: torch.dtype | None) -> int:
     """The planner's alignment in elements: the caller's, else 16 bytes of the smaller element (aligned views)."""
-    return alignment or max(1, VIEW_ALIGNMENT_BYTES // _smallest_element(master_dtype, param_dtype))
-
-
-def _smallest_element(*dtypes: torch.dtype | None) -> int:
-    return min(torch.empty((), dtype=d).element_size() for d in dtypes if d is not None)
+    smallest = min(dtype.itemsize for dtype in (master_dtype, param_dtype) if dtype is not None)
+    return alignment or max(1, VIEW_ALIGNMENT_BYTES // smallest)
 
 
 _PARTIAL_GROUPS: dict[tuple[tuple[int, ...], int], dist.ProcessGroup] = {}

@@ -98,6 +98,11 @@ class RaggedFSDPState:
         total = numel(self.all_groups)
         return numel([g for g in self.all_groups if g.is_root]) / total if total else 0.0
 
+    @property
+    def running(self) -> bool:
+        """A forward or backward of this model is running: its groups' full parameters are in use."""
+        return self._root_depth > 0 or self._in_backward
+
     def __deepcopy__(self, memo: dict) -> "RaggedFSDPState":
         # Copying would clone parameter views whose storage is freed between uses (a crash, not an error).
         raise TypeError(

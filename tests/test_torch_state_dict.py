@@ -1,0 +1,290 @@
+"""torch's own checkpoint recipe on a ragged model, as FSDP2 users write it (torchtitan's pattern).
+
+``dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)})``,
+then ``dcp.load`` + ``set_model_state_dict`` / ``set_optimizer_state_dict`` at another world
+size, or into torch's FSDP2: training resumes where the uninterrupted run went. Oracles: the
+uninterrupted ragged run, and FSDP2 resuming from the ragged checkpoint.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+import lightning_ragged as lr
+from tests.models import TinyLM, lm_loss, make_batches, make_model
+
+BATCH = 6  # global batch: divisible by 2 and 3 ranks
+STEPS = 6
+
+
+class ScaledLM(TinyLM):
+    """TinyLM with a 0-D parameter (a learned logit scale): it lives whole on one rank."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.tensor(1.25))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return super().forward(tokens) * self.scale
+
+
+def _make(scalar: bool, seed: int):
+    torch.manual_seed(seed)
+    return ScaledLM() if scalar else make_model(seed)
+
+
+def _step(model, optimizer, batch: torch.Tensor) -> float:
+    """One AdamW step on this rank's slice of the global batch; returns the global mean loss."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    per = batch.shape[0] // world
+    loss = lm_loss(model, batch[rank * per : (rank + 1) * per])
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    total = loss.detach().clone()
+    dist.all_reduce(total)
+    return total.item() / world
+
+
+def _ragged(scalar: bool, seed: int = 3):
+    model = lr.fully_shard(_make(scalar, seed), shard_granularity="element")  # cuts inside rows
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def _fsdp2(seed: int = 3):
+    from torch.distributed.fsdp import fully_shard
+
+    model = make_model(seed)
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def _resume(framework: str, root: str, scalar: bool) -> list[float]:
+    """Load ``root`` with torch's APIs only, then train the remaining steps."""
+    model, optimizer = _ragged(scalar) if framework == "ragged" else _fsdp2()
+    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
+    dcp.load(state, checkpoint_id=root)
+    set_model_state_dict(model, state["model"])
+    set_optimizer_state_dict(model, optimizer, state["optim"])
+    data = make_batches(STEPS, BATCH)
+    return [_step(model, optimizer, data[step]) for step in range(STEPS // 2, STEPS)]
+
+
+def check_save_with_torch_apis(root: str, scalar: bool, framework: str = "ragged", background: bool = False) -> list:
+    """Train, save half-way with torch's APIs (``background``: ``dcp.async_save``), and go on: the losses."""
+    model, optimizer = _ragged(scalar, seed=0) if framework == "ragged" else _fsdp2(seed=0)
+    data = make_batches(STEPS, BATCH)
+    trace = [_step(model, optimizer, data[step]) for step in range(STEPS // 2)]
+    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
+    if background:  # staged copies: the steps below may change the shards while it writes
+        # Its own group, as torch advises: the save's collectives run beside the training's.
+        pending = dcp.async_save(state, checkpoint_id=root, process_group=dist.new_group(backend="gloo"))
+        trace.append(_step(model, optimizer, data[STEPS // 2]))
+        pending.result()
+        return trace + [_step(model, optimizer, data[step]) for step in range(STEPS // 2 + 1, STEPS)]
+    dcp.save(state, checkpoint_id=root)
+    return trace + [_step(model, optimizer, data[step]) for step in range(STEPS // 2, STEPS)]
+
+
+@pytest.mark.parametrize(
+    "scalar,background", [(False, False), (True, True)], ids=["tinylm-save", "with-0d-param-async_save"]
+)
+def test_torch_checkpoint_apis_save_and_resume_at_any_world_size_and_in_fsdp2(dist_pool, tmp_path, scalar, background):
+    root = str(tmp_path / "torch_dcp")
+    trace = dist_pool(2).run(check_save_with_torch_apis, root, scalar, "ragged", background)[0]
+    # FSDP2 shards dim 0 and refuses a 0-D parameter: it resumes the model without one.
+    runs = ((3, "ragged"), (2, "ragged")) + (() if scalar else ((2, "fsdp2"),))
+    for world, framework in runs:
+        resumed = dist_pool(world).run(_resume, framework, root, scalar)[0]
+        worst = max(abs(a - b) for a, b in zip(resumed, trace[STEPS // 2 :]))
+        assert worst < 1e-5, (world, framework, resumed, trace)
+
+
+def test_fsdp2_checkpoint_of_torch_apis_resumes_a_ragged_model(dist_pool, tmp_path) -> None:
+    root = str(tmp_path / "fsdp2_dcp")
+    trace = dist_pool(2).run(check_save_with_torch_apis, root, False, "fsdp2")[0]
+    resumed = dist_pool(3).run(_resume, "ragged", root, False)[0]
+    assert max(abs(a - b) for a, b in zip(resumed, trace[STEPS // 2 :])) < 1e-5, (resumed, trace)
+
+
+def check_state_dict_protocol() -> dict:
+    """``state_dict()``'s StateShards, ``load_state_dict`` of full tensors, and the refusals, on every rank."""
+    from lightning_ragged.engine.state_shard import StateShard
+
+    plain = make_model(seed=5)
+    model = lr.fully_shard(make_model(), shard_granularity="element")
+    state = model.state_dict()
+    sharded = sorted(k for k, v in state.items() if isinstance(v, StateShard))
+    shapes_ok = all(tuple(v.shape) == tuple(plain.state_dict()[k].shape) for k, v in state.items())
+    # A copy, changed elementwise, is still this layout's: it loads back (an in-memory snapshot).
+    snapshot = {k: v.detach().clone() for k, v in state.items()}
+    before = {k: v.clone() for k, v in lr.full_state_dict(model).items()}
+    for value in model.parameters():
+        value.data.add_(1.0)
+    model.load_state_dict(snapshot)
+    restored = max((lr.full_state_dict(model)[k] - v).abs().max().item() for k, v in before.items())
+    equal = (torch.equal(snapshot["blocks.0.up.weight"], state["blocks.0.up.weight"]),
+             torch.equal(snapshot["blocks.0.up.weight"] * 2, state["blocks.0.up.weight"]))
+    # Elementwise results keep the layout: lerp(v, 3v, 0.5) = 2v, loaded back.
+    model.load_state_dict({k: v.lerp(v * 3, 0.5) for k, v in snapshot.items()})
+    doubled = max((lr.full_state_dict(model)[k] - 2 * v).abs().max().item() for k, v in before.items())
+    # Full tensors of another model load into the shards (sliced to this rank's range), also
+    # through torch's full_state_dict loading, from rank 0 alone.
+    model.load_state_dict(plain.state_dict())
+    full = lr.full_state_dict(model)
+    loaded = max((full[k] - v).abs().max().item() for k, v in plain.state_dict().items())
+    other = make_model(seed=9).state_dict()
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    set_model_state_dict(model, other if dist.get_rank() == 0 else {}, options=options)
+    full = lr.full_state_dict(model)
+    broadcast = max((full[k] - v).abs().max().item() for k, v in other.items())
+    kept = model.state_dict(keep_vars=True)
+    identity = all(kept[name] is param for name, param in model.named_parameters())
+    torch_full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    errors = {}
+    for what, call in {
+        "sum": lambda: state["blocks.0.up.weight"].sum(),
+        "pickle": lambda: torch.save(state, io.BytesIO()),
+        "torch_full_state_dict": lambda: torch.save(torch_full, io.BytesIO()),
+        "into_full": lambda: plain.load_state_dict(model.state_dict()),
+        "assign": lambda: model.load_state_dict(plain.state_dict(), assign=True),
+    }.items():
+        try:
+            call()
+            errors[what] = None
+        except Exception as error:  # noqa: BLE001 - the message is what is checked
+            errors[what] = str(error)
+    dist.barrier()  # every rank refused before any collective: the group still works
+    return {"sharded": sharded, "shapes_ok": shapes_ok, "loaded": loaded, "restored": restored, "equal": equal,
+            "doubled": doubled, "broadcast": broadcast, "errors": errors, "identity": identity,
+            "keys": sorted(state) == sorted(plain.state_dict())}
+
+
+def test_state_dict_gives_state_shards_and_load_state_dict_takes_them_and_full_tensors(dist_pool) -> None:
+    for result in dist_pool(2).run(check_state_dict_protocol):
+        assert result["keys"] and result["shapes_ok"], result
+        assert "blocks.0.up.weight" in result["sharded"] and "embed.weight" in result["sharded"], result
+        assert result["loaded"] == result["restored"] == result["broadcast"] == 0.0, result
+        assert result["doubled"] < 1e-6, result  # lerp's rounding on values ~0.1
+        assert result["equal"] == (True, False) and result["identity"], result
+        for what in ("sum", "pickle", "torch_full_state_dict", "into_full"):
+            assert "lightning_ragged.full_state_dict(model)" in result["errors"][what], (what, result)
+        assert "assign=False" in result["errors"]["assign"], result
+
+
+def check_full_parameters_kept_between_steps() -> dict:
+    """With ``reshard_after_backward=False`` the modules hold full parameters between steps: ``state_dict()`` gives
+    the master shards (not the stale full copies), and ``load_state_dict`` lands in them (the group is resharded)."""
+    model = lr.fully_shard(make_model(), shard_granularity="element")
+    model.set_reshard_after_backward(False)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    _step(model, optimizer, make_batches(1, BATCH)[0])
+    kept = lr.get_state(model).all_groups[0].is_unsharded
+    snapshot = {k: v.clone() for k, v in model.state_dict().items()}  # the shards, after the step
+    masters = lr.full_state_dict(model)
+    model.load_state_dict(snapshot)  # reshards: a round trip of the masters
+    round_trip = max((lr.full_state_dict(model)[k] - v).abs().max().item() for k, v in masters.items())
+    zeros = {k: torch.zeros_like(v) for k, v in make_model().state_dict().items()}
+    model.set_reshard_after_backward(False)
+    _step(model, optimizer, make_batches(2, BATCH)[1])
+    model.load_state_dict(zeros)
+    loaded = max(v.abs().max().item() for v in lr.full_state_dict(model).values())
+    with torch.no_grad():
+        logits = model(make_batches(1, BATCH)[0][:1, :-1])  # the next forward gathers the loaded (zero) weights
+    return {"kept": kept, "round_trip": round_trip, "loaded": loaded, "logits": logits.abs().max().item()}
+
+
+def test_state_dict_reads_the_masters_and_load_lands_in_them_while_full_parameters_are_kept(dist_pool) -> None:
+    for result in dist_pool(2).run(check_full_parameters_kept_between_steps):
+        assert result["kept"], result  # the case is real: a group held its full parameters
+        assert result["round_trip"] == 0.0 and result["loaded"] == 0.0 and result["logits"] == 0.0, result
+
+
+def check_layout_mismatch(root: str) -> str:
+    """A StateShard of another layout is refused on every rank, even where this rank's boxes happen to agree."""
+    element = lr.fully_shard(make_model(), shard_granularity="element").state_dict()
+    row = lr.fully_shard(make_model(seed=2), shard_granularity="row")
+    # A key whose boxes agree on some ranks and not on others: the case a per-rank comparison gets wrong.
+    mine = {k: v._boxes == row.state_dict()[k]._boxes for k, v in element.items() if hasattr(v, "_boxes")}
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    key = next(k for k in sorted(mine) if len({flags[k] for flags in everyone}) == 2)
+    try:
+        row.load_state_dict({key: element[key]}, strict=False)
+        outcome = "loaded"
+    except ValueError as error:
+        outcome = str(error)
+    dist.barrier()  # no rank went on into a collective while the others raised
+    return outcome
+
+
+def test_another_layouts_state_shards_are_refused_on_every_rank(dist_pool, tmp_path) -> None:
+    for outcome in dist_pool(3).run(check_layout_mismatch, str(tmp_path)):
+        assert "another layout" in outcome and "dcp.load" in outcome, outcome
+
+
+def check_optimizer_loaded_before_its_first_step() -> dict:
+    """A fresh optimizer loads a state dict (of StateShards) before it ever stepped, as resuming does; and one that
+    gets the sharded parameters by ``add_param_group`` after its first step gives StateShards too."""
+    from lightning_ragged.engine.state_shard import StateShard
+
+    data = make_batches(4, BATCH)
+    model = lr.fully_shard(make_model(), shard_granularity="element")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    _step(model, optimizer, data[0])
+    saved = copy.deepcopy(optimizer.state_dict())
+    params = copy.deepcopy(model.state_dict())
+    reference = [_step(model, optimizer, data[step]) for step in (1, 2)]
+    resumed_model = lr.fully_shard(make_model(seed=4), shard_granularity="element")
+    resumed_model.load_state_dict(params)
+    resumed = torch.optim.AdamW(resumed_model.parameters(), lr=1e-2)
+    resumed.load_state_dict(saved)  # before any step: the step's pre-hook makes them this rank's parts
+    trace = [_step(resumed_model, resumed, data[step]) for step in (1, 2)]
+    later = torch.optim.SGD([torch.nn.Parameter(torch.zeros(3))], lr=0.1, momentum=0.9)
+    later.step()
+    later.add_param_group({"params": list(resumed_model.parameters())})
+    _step(resumed_model, later, data[3])
+    kinds = {type(v).__name__ for entries in later.state_dict()["state"].values() for v in entries.values()
+             if isinstance(v, torch.Tensor) and v.dim()}
+    return {"worst": max(abs(a - b) for a, b in zip(trace, reference)), "kinds": kinds,
+            "state_shard": StateShard.__name__}
+
+
+def test_optimizer_loaded_before_its_first_step_and_grown_later(dist_pool) -> None:
+    for result in dist_pool(2).run(check_optimizer_loaded_before_its_first_step):
+        assert result["worst"] == 0.0, result  # the same shards, states and batches: the same steps
+        assert result["state_shard"] in result["kinds"], result
+
+
+def check_one_rank_holds_everything() -> dict:
+    """On one rank the state-dict values are the plain tensors (the local part is the whole): torch.save works."""
+    model = lr.fully_shard(make_model(), shard_granularity="element")
+    state = model.state_dict()
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    buffer.seek(0)
+    other = lr.fully_shard(make_model(seed=6), shard_granularity="element")
+    other.load_state_dict(torch.load(buffer))
+    plain = make_model().state_dict()
+    return {"types": {type(v).__name__ for v in state.values()},
+            "worst": max((lr.full_state_dict(other)[k] - v).abs().max().item() for k, v in plain.items())}
+
+
+def test_on_one_rank_state_dict_values_are_plain_tensors(dist_pool) -> None:
+    (result,) = dist_pool(1).run(check_one_rank_holds_everything)
+    assert result["types"] == {"Tensor"} and result["worst"] == 0.0, result

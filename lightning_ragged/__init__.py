@@ -6,6 +6,7 @@ from lightning_ragged.engine.state_dict import full_state_dict, load_full_state_
 from lightning_ragged.engine.fsdp_module import FSDPModule
 from lightning_ragged.engine.fp8_gather import Float8AllGather
 from lightning_ragged.engine.grad_clip import clip_grad_norm_, clip_grad_value_
+from lightning_ragged.engine.torch_state_dict import hook_optimizer
 from lightning_ragged.layout.planner import plan
 from lightning_ragged.layout.ragged_shard import RaggedShard
 from lightning_ragged.layout.spec import Layout, TensorSpec
@@ -27,6 +28,7 @@ __all__ = [
     "full_state_dict",
     "fully_shard",
     "get_state",
+    "hook_optimizer",
     "load_full_state_dict",
     "no_sync",
     "plan",

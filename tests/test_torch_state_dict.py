@@ -220,12 +220,17 @@ def check_layout_mismatch(root: str) -> str:
     element = lr.fully_shard(make_model(), shard_granularity="element").state_dict()
     row = lr.fully_shard(make_model(seed=2), shard_granularity="row")
     # A key whose boxes agree on some ranks and not on others: the case a per-rank comparison gets wrong.
-    mine = {k: v._boxes == row.state_dict()[k]._boxes for k, v in element.items() if hasattr(v, "_boxes")}
+    agrees = {k: v._boxes == row.state_dict()[k]._boxes for k, v in element.items() if hasattr(v, "_boxes")}
+    return _load_where_ranks_differ(row, element, agrees)
+
+
+def _load_where_ranks_differ(model, values: dict, agrees: dict) -> str:
+    """Load the first key of ``values`` that ``agrees`` on some ranks and not on others; what this rank saw."""
     everyone: list = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
-    key = next(k for k in sorted(mine) if len({flags[k] for flags in everyone}) == 2)
+    dist.all_gather_object(everyone, agrees)
+    key = next(k for k in sorted(agrees) if len({flags[k] for flags in everyone}) == 2)
     try:
-        row.load_state_dict({key: element[key]}, strict=False)
+        model.load_state_dict({key: values[key]}, strict=False)
         outcome = "loaded"
     except ValueError as error:
         outcome = str(error)
@@ -288,3 +293,88 @@ def check_one_rank_holds_everything() -> dict:
 def test_on_one_rank_state_dict_values_are_plain_tensors(dist_pool) -> None:
     (result,) = dist_pool(1).run(check_one_rank_holds_everything)
     assert result["types"] == {"Tensor"} and result["worst"] == 0.0, result
+
+
+def check_loaded_optimizer_saved_before_its_first_step(root: str) -> dict:
+    """An optimizer that holds states before its first step gives StateShards to torch's save too: one loaded by
+    lightning_ragged.checkpoint.load (a conversion to torch's format), and an Adagrad (its sums exist from
+    ``__init__``) hooked by ``lr.hook_optimizer``."""
+    from lightning_ragged import checkpoint as ck
+    from lightning_ragged.engine.state_shard import StateShard
+
+    data = make_batches(3, BATCH)
+    source, source_opt = _ragged(False, seed=0)
+    _step(source, source_opt, data[0])
+    ck.save(f"{root}/ragged", source, [source_opt])
+    converted, converted_opt = _ragged(False, seed=5)
+    ck.load(f"{root}/ragged", converted, [converted_opt])
+    dcp.save({"model": get_model_state_dict(converted), "optim": get_optimizer_state_dict(converted, converted_opt)},
+             checkpoint_id=f"{root}/torch")
+    resumed, resumed_opt = _ragged(False, seed=6)
+    state = {"model": get_model_state_dict(resumed), "optim": get_optimizer_state_dict(resumed, resumed_opt)}
+    dcp.load(state, checkpoint_id=f"{root}/torch")
+    set_model_state_dict(resumed, state["model"])
+    set_optimizer_state_dict(resumed, resumed_opt, state["optim"])
+    trace = [_step(resumed, resumed_opt, data[step]) for step in (1, 2)]
+    reference = [_step(source, source_opt, data[step]) for step in (1, 2)]
+    adagrad = torch.optim.Adagrad(resumed.parameters(), lr=0.1, initial_accumulator_value=0.5)
+    lr.hook_optimizer(adagrad)
+    kinds = {type(v).__name__ for entries in get_optimizer_state_dict(resumed, adagrad)["state"].values()
+             for v in entries.values() if isinstance(v, torch.Tensor) and v.dim()}
+    worst = max(abs(a - b) for a, b in zip(trace, reference))
+    return {"worst": worst, "kinds": kinds, "expected": {StateShard.__name__}}
+
+
+def test_an_optimizer_holding_states_before_its_first_step_saves_every_ranks_part(dist_pool, tmp_path) -> None:
+    for result in dist_pool(2).run(check_loaded_optimizer_saved_before_its_first_step, str(tmp_path)):
+        assert result["worst"] < 1e-6 and result["kinds"] == result["expected"], result
+
+
+def check_local_parts_refused_everywhere() -> str:
+    """1-D local parts (of another layout here) are refused on every rank, even where a rank's sizes happen to agree."""
+    element = lr.fully_shard(make_model(), shard_granularity="element")
+    parts = {name: param.detach().clone() for name, param in element.named_parameters()}
+    row = lr.fully_shard(make_model(seed=2), shard_granularity="row")
+    # A matrix whose local sizes agree on some ranks and not on others: the case a per-rank size check gets wrong.
+    # (A vector's part that is all of it on a rank is the full tensor there, and loads as one.)
+    sizes = dict(row.named_parameters())
+    matrices = [k for k in parts if len(sizes[k].ragged_shard.global_shape) == 2]
+    agrees = {k: parts[k].numel() == sizes[k].numel() for k in matrices}
+    return _load_where_ranks_differ(row, parts, agrees)
+
+
+def test_local_parts_are_refused_on_every_rank(dist_pool) -> None:
+    for outcome in dist_pool(3).run(check_local_parts_refused_everywhere):
+        assert "1-D local part is not taken" in outcome, outcome
+
+
+def check_full_optimizer_state_of_a_0d_parameter() -> float:
+    """torch's full-state-dict loading of an optimizer (a 0-D parameter's states are 0-D too) resumes exactly
+    where a single-process run of the same global batches goes (the oracle, on every rank)."""
+    data = make_batches(4, BATCH)
+    plain = _make(True, seed=0)
+    plain_opt = torch.optim.AdamW(plain.parameters(), lr=1e-2)
+    for step in (0, 1):
+        lm_loss(plain, data[step]).backward()
+        plain_opt.step()
+        plain_opt.zero_grad()
+    options = StateDictOptions(full_state_dict=True)
+    # Copies: torch would hand AdamW's 0-D "step" tensors over as they are, shared by both optimizers.
+    model_sd, optim_sd = get_model_state_dict(plain), copy.deepcopy(get_optimizer_state_dict(plain, plain_opt))
+    model, optimizer = _ragged(True, seed=4)
+    set_model_state_dict(model, model_sd, options=options)
+    set_optimizer_state_dict(model, optimizer, optim_sd, options=options)
+    trace = [_step(model, optimizer, data[step]) for step in (2, 3)]
+    reference = []
+    for step in (2, 3):
+        loss = lm_loss(plain, data[step])
+        loss.backward()
+        plain_opt.step()
+        plain_opt.zero_grad()
+        reference.append(loss.item())
+    return max(abs(a - b) for a, b in zip(trace, reference))
+
+
+def test_full_optimizer_state_with_a_0d_parameter_loads_through_torch(dist_pool) -> None:
+    for worst in dist_pool(2).run(check_full_optimizer_state_of_a_0d_parameter):
+        assert worst < 1e-5, worst  # the ranks' mean of half-batch losses vs one full-batch loss: rounding only

@@ -28,6 +28,7 @@ from lightning_ragged.checkpoint.zero_dim import (
     zero_dim_flat_keys,
     zero_dim_flat_keys_in_directory,
 )
+from lightning_ragged.engine.torch_state_dict import hook_optimizer
 from lightning_ragged.layout.ragged_shard import RaggedShard, shard_of
 
 
@@ -171,6 +172,7 @@ def sharded_optimizer_state_dict(module: nn.Module | None, optimizer: torch.opti
 
 def load_full_optimizer_state_dict(module: nn.Module | None, optimizer: torch.optim.Optimizer, state: Mapping[str, Any]) -> None:
     """Load a full (consolidated) optimizer state, slicing per-parameter states to this rank's shard."""
+    hook_optimizer(optimizer)  # its torch state dicts hold StateShards from now on, before any step too
     if isinstance(optimizer, NamedStateOptimizer):
         optimizer.load_state_dict(dict(state) if "ragged" in state else {**state, "ragged": {}})
         return
@@ -224,6 +226,7 @@ def load_sharded_optimizer_state_dict(
     key: str = "optimizer_0",
 ) -> None:
     """Load ``key`` of the checkpoint into ``optimizer`` at the current layout (any saved layout)."""
+    hook_optimizer(optimizer)  # its torch state dicts hold StateShards from now on, before any step too
     if not isinstance(info, CheckpointInfo):
         info = inspect_checkpoint(info)
     paths = info.paths(key)

@@ -159,6 +159,7 @@ def _equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     same = torch.equal(a._local, b._local)
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return same
-    flag = torch.tensor([int(same)], device=a._local.device)
+    nccl = dist.get_backend(group) == "nccl"  # its collectives take CUDA tensors only, a CPU copy's flag too
+    flag = torch.tensor([int(same)], device=torch.device("cuda", torch.cuda.current_device()) if nccl else "cpu")
     dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
     return bool(flag.item())

@@ -7,15 +7,15 @@ this rank's part, viewed, not copied (on a shard group of one rank: the tensor i
   So torch's ``get_model_state_dict`` + ``dcp.save`` write every rank's part. Plain 1-D shards
   under one key look like replicated copies to DCP: it keeps one rank's, and the checkpoint
   misses the others' parts. ``dcp.load`` into the state dict loads in place from any layout.
-- ``load_state_dict`` takes StateShards of this layout, full tensors (sliced to this rank's
-  range, which is how torch's ``set_model_state_dict(..., full_state_dict=True)`` arrives) or
-  this rank's 1-D parts, into the shards; a group holding full parameters is resharded first
-  (its next forward gathers the loaded values), as FSDP2 does.
+- ``load_state_dict`` takes StateShards of this layout or full tensors (sliced to this rank's
+  range, which is how torch's ``set_model_state_dict(..., full_state_dict=True)`` arrives),
+  into the shards; a group holding full parameters is resharded first (its next forward
+  gathers the loaded values), as FSDP2 does.
 - A ``torch.optim`` optimizer gets the same for the states of its sharded parameters
   (``get_optimizer_state_dict`` / ``set_optimizer_state_dict``). Its hooks are added at its
   first ``step()``, the first moment a plain optimizer shows itself (torch's
-  ``get_optimizer_state_dict`` steps a fresh optimizer); states loaded before that step are
-  turned into this rank's parts then.
+  ``get_optimizer_state_dict`` steps a fresh optimizer), or when lightning_ragged's loaders
+  or the strategy see it; states loaded before are turned into this rank's parts then.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ def install_state_dict_hooks(groups: Iterable[ShardGroup]) -> None:
         owner.register_state_dict_post_hook(_bound(_state_shards, tuple(slots)))
         owner.register_load_state_dict_pre_hook(_bound(_local_parts, tuple(slots)))
     if not _OPTIMIZER_HOOK:
-        _OPTIMIZER_HOOK.append(register_optimizer_step_pre_hook(_hook_optimizer))
+        _OPTIMIZER_HOOK.append(register_optimizer_step_pre_hook(_before_step))
 
 
 def _bound(hook: Callable[..., Any], slots: tuple[Slot, ...]) -> Callable[..., Any]:
@@ -71,9 +71,9 @@ def state_shard(local: torch.Tensor, shard: RaggedShard) -> torch.Tensor:
 def local_part(value: torch.Tensor, shard: RaggedShard, key: str) -> torch.Tensor:
     """This rank's 1-D part of a state-dict value for ``shard``.
 
-    The value may be a StateShard of this layout, a full tensor (sliced to this rank's
-    range: a view of it) or this rank's 1-D part as it is. Anything else is refused, the
-    same way on every rank (layouts are compared whole), naming what loads it.
+    The value may be a StateShard of this layout or a full tensor (sliced to this rank's
+    range: a view of it). Anything else is refused, the same way on every rank (layouts are
+    compared whole, shapes are global), naming what loads it.
     """
     if isinstance(value, StateShard):
         if value.layout != (tuple(shard.global_shape), shard.rank_ranges):
@@ -84,11 +84,10 @@ def local_part(value: torch.Tensor, shard: RaggedShard, key: str) -> torch.Tenso
         return value.local
     if tuple(value.shape) == tuple(shard.global_shape):
         return shard.local_part(value)
-    if value.dim() == 1 and value.numel() == shard.local_numel:
-        return value
     raise ValueError(
-        f"{key!r} has shape {list(value.shape)}; the parameter is {list(shard.global_shape)}, of which this rank holds "
-        f"{shard.local_numel} elements: pass the full tensor, or the StateShard of state_dict(); {FULL_TENSORS}"
+        f"{key!r} has shape {list(value.shape)}; the parameter is {list(shard.global_shape)}: pass the full tensor, "
+        f"or the StateShard of state_dict() (a 1-D local part is not taken: its size alone cannot tell every rank "
+        f"that it is this layout's); {FULL_TENSORS}"
     )
 
 
@@ -120,6 +119,8 @@ def _local_parts(
                 f"load_state_dict(assign=True) would replace the sharded parameter {key!r} and cut it off its "
                 "DBuffer; load with assign=False (the values are copied into the shards)"
             )
+        if value is shard or value is module._parameters.get(attr):  # itself (state_dict(keep_vars=True))
+            continue
         if module._parameters.get(attr) is not shard:
             _reshard(module, dbuffer, key)
         local = local_part(value, shard.ragged_shard, key)
@@ -137,8 +138,12 @@ def _reshard(module: nn.Module, dbuffer: DBuffer, key: str) -> None:
     next(group for group in state.all_groups if dbuffer in group.dbuffers).reshard()
 
 
-def _hook_optimizer(optimizer: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
-    """Before an optimizer's first step: hook its state dicts, and make states loaded so far this rank's parts."""
+def hook_optimizer(optimizer: torch.optim.Optimizer) -> None:
+    """Hook an optimizer's state dicts (once), and make the states it holds so far this rank's parts.
+
+    Every ``step()`` calls it first; lightning_ragged's own loaders and the strategy call it
+    too, so an optimizer that holds states before its first step is covered there as well.
+    """
     if "_ragged_state_dict_hooked" in optimizer.__dict__ or hasattr(optimizer, "state_layout"):
         return  # seen, or a lightning_ragged optimizer (its state_dict has its own named layout)
     optimizer.__dict__["_ragged_state_dict_hooked"] = True
@@ -147,13 +152,17 @@ def _hook_optimizer(optimizer: torch.optim.Optimizer, _args: Any, _kwargs: Any) 
     for param, entries in optimizer.state.items():
         shard = getattr(param, "ragged_shard", None)
         if shard is not None:
-            optimizer.state[param] = _local_entries(entries, shard)
+            optimizer.state[param] = _local_entries(entries, shard, entries)
+
+
+def _before_step(optimizer: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
+    hook_optimizer(optimizer)
 
 
 def _sharded_states(
     optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]
-) -> Iterable[tuple[Any, RaggedShard, dict]]:
-    """(key, shard, entries) of every state of a sharded parameter in ``state_dict``.
+) -> Iterable[tuple[Any, torch.Tensor, dict]]:
+    """(key, parameter, entries) of every state of a sharded parameter in ``state_dict``.
 
     Keys are matched to parameters as ``Optimizer.load_state_dict`` matches them: in the
     order of the saved groups' ``params`` (integers from ``state_dict()``, parameter names
@@ -162,14 +171,15 @@ def _sharded_states(
     saved = [key for group in state_dict.get("param_groups", ()) for key in group.get("params", ())]
     by_key = dict(zip(saved, (p for group in optimizer.param_groups for p in group["params"])))
     for key, entries in state_dict.get("state", {}).items():
-        shard = getattr(by_key.get(key), "ragged_shard", None)
-        if shard is not None and isinstance(entries, dict):
-            yield key, shard, entries
+        param = by_key.get(key)
+        if getattr(param, "ragged_shard", None) is not None and isinstance(entries, dict):
+            yield key, param, entries
 
 
 def _optimizer_state_shards(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
     state = dict(state_dict["state"])  # the entries are the optimizer's own dicts: replace, never mutate them
-    for key, shard, entries in _sharded_states(optimizer, state_dict):
+    for key, param, entries in _sharded_states(optimizer, state_dict):
+        shard = param.ragged_shard
         state[key] = {
             name: state_shard(value, shard) if _per_element(value, shard) else value for name, value in entries.items()
         }
@@ -178,18 +188,24 @@ def _optimizer_state_shards(optimizer: torch.optim.Optimizer, state_dict: dict[s
 
 def _optimizer_local_parts(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
     state = dict(state_dict.get("state", {}))
-    for key, shard, entries in _sharded_states(optimizer, state_dict):
-        state[key] = _local_entries(entries, shard)
+    for key, param, entries in _sharded_states(optimizer, state_dict):
+        state[key] = _local_entries(entries, param.ragged_shard, optimizer.state.get(param, {}))
     return {**state_dict, "state": state}
 
 
-def _local_entries(entries: dict[str, Any], shard: RaggedShard) -> dict[str, Any]:
-    """Per-element states as this rank's parts: StateShards and full tensors (copied out, not kept whole)."""
+def _local_entries(entries: dict[str, Any], shard: RaggedShard, current: dict[str, Any]) -> dict[str, Any]:
+    """Per-element states as this rank's parts: StateShards and full tensors (copied out, not kept whole).
+
+    A full state of a 0-D parameter is 0-D like its scalars (AdamW's ``step``): it is
+    per-element where the optimizer's ``current`` entry of that name is.
+    """
     local = {}
     for name, value in entries.items():
         if isinstance(value, StateShard):
             value = local_part(value, shard, f"state {name!r} of {shard.name!r}")
-        elif isinstance(value, torch.Tensor) and value.dim() and tuple(value.shape) == tuple(shard.global_shape):
+        elif isinstance(value, torch.Tensor) and tuple(value.shape) == tuple(shard.global_shape) and (
+            value.dim() or _per_element(current.get(name), shard)
+        ):
             value = shard.local_part(value).clone()
         local[name] = value
     return local

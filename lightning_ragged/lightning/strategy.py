@@ -63,6 +63,7 @@ from lightning_ragged.lightning.callbacks import add_metrics_callback
 from lightning_ragged.lightning.checkpoint_io import LightningCheckpointIO
 from lightning_ragged.lightning.knobs import check_strategy_knobs
 from lightning_ragged.engine.meta_init import has_meta_tensors, materialize_meta_module
+from lightning_ragged.engine.torch_state_dict import hook_optimizer
 from lightning_ragged.lightning.preemption import attach as attach_slurm_requeue
 from lightning_ragged.lightning.model_summary import use_global_parameter_counts
 from lightning_ragged.lightning.precision import to_ragged_precision
@@ -410,6 +411,8 @@ class RaggedFSDPStrategy(ParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             self._reset_optimizers_and_schedulers()
             self.setup_optimizers(trainer)
+            for optimizer in self.optimizers:  # torch's state-dict APIs see StateShards before the first step too
+                hook_optimizer(optimizer)
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)

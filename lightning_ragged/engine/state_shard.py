@@ -41,6 +41,11 @@ _ELEMENTWISE = {
 """Operations that run on the local part although they lack the pointwise tag."""
 
 
+def layout_of(shard: RaggedShard) -> tuple:
+    """The global shape and every rank's range: the same on every rank, so ranks agree on what matches."""
+    return tuple(shard.global_shape), shard.rank_ranges
+
+
 class StateShard(torch.Tensor):
     """A sharded tensor in a state dict: shape and dtype of the whole, elements of this rank's boxes."""
 
@@ -56,8 +61,7 @@ class StateShard(torch.Tensor):
 
     @property
     def layout(self) -> tuple:
-        """The global shape and every rank's range: the same on every rank, so ranks agree on what matches."""
-        return tuple(self._shard.global_shape), self._shard.rank_ranges
+        return layout_of(self._shard)
 
     @property
     def _boxes(self) -> list[Box]:

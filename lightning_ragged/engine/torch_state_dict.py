@@ -29,7 +29,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from lightning_ragged.engine.dbuffer import DBuffer
 from lightning_ragged.engine.runtime import get_state
 from lightning_ragged.engine.shard_group import ShardGroup
-from lightning_ragged.engine.state_shard import FULL_TENSORS, StateShard
+from lightning_ragged.engine.state_shard import FULL_TENSORS, StateShard, layout_of
 from lightning_ragged.layout.ragged_shard import RaggedShard
 
 Slot = tuple[str, DBuffer, str]
@@ -76,7 +76,7 @@ def local_part(value: torch.Tensor, shard: RaggedShard, key: str) -> torch.Tenso
     compared whole, shapes are global), naming what loads it.
     """
     if isinstance(value, StateShard):
-        if value.layout != (tuple(shard.global_shape), shard.rank_ranges):
+        if value.layout != layout_of(shard):
             raise ValueError(
                 f"{key!r} is a StateShard of another layout than this model's: load another layout's shards with "
                 "dcp.load into this model's state dict (it reshards), or pass full tensors"

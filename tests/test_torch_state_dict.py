@@ -215,7 +215,7 @@ def test_state_dict_reads_the_masters_and_load_lands_in_them_while_full_paramete
         assert result["round_trip"] == 0.0 and result["loaded"] == 0.0 and result["logits"] == 0.0, result
 
 
-def check_layout_mismatch(root: str) -> str:
+def check_layout_mismatch() -> str:
     """A StateShard of another layout is refused on every rank, even where this rank's boxes happen to agree."""
     element = lr.fully_shard(make_model(), shard_granularity="element").state_dict()
     row = lr.fully_shard(make_model(seed=2), shard_granularity="row")
@@ -238,8 +238,8 @@ def _load_where_ranks_differ(model, values: dict, agrees: dict) -> str:
     return outcome
 
 
-def test_another_layouts_state_shards_are_refused_on_every_rank(dist_pool, tmp_path) -> None:
-    for outcome in dist_pool(3).run(check_layout_mismatch, str(tmp_path)):
+def test_another_layouts_state_shards_are_refused_on_every_rank(dist_pool) -> None:
+    for outcome in dist_pool(3).run(check_layout_mismatch):
         assert "another layout" in outcome and "dcp.load" in outcome, outcome
 
 

@@ -41,6 +41,7 @@ from lightning_ragged.layout.spec import TensorSpec
 from lightning_ragged.engine.runtime import RaggedFSDPState, eager, get_state
 from lightning_ragged.engine.shard_group import ShardGroup
 from lightning_ragged.engine.state_sync import BufferSync, sync_params_and_buffers
+from lightning_ragged.engine.torch_grad_norm import route_torch_grad_norm
 from lightning_ragged.engine.torch_state_dict import install_state_dict_hooks
 
 DEFAULT_DBUFFER_SIZE = 256 * 2**20
@@ -246,6 +247,7 @@ def fully_shard(
         group.reshard()
     _install_hooks(state)
     install_state_dict_hooks(new_groups)
+    route_torch_grad_norm(dbuffer for group in new_groups for dbuffer in group.dbuffers)
     for group in state.all_groups:
         make_fsdp_module(group.module)
     make_fsdp_module(module)

@@ -29,6 +29,9 @@ from lightning_ragged.engine.runtime import get_state
 
 ParamsOrModule = Union[nn.Module, torch.Tensor, Iterable[torch.Tensor]]
 
+TORCH_TOTAL_NORM = torch.nn.utils.get_total_norm
+"""torch's own, taken before ``torch_grad_norm`` routes the public name: the local part of each norm."""
+
 
 def clip_grad_norm_(
     parameters: ParamsOrModule,
@@ -50,7 +53,7 @@ def clip_grad_norm_(
     elif not isinstance(parameters, nn.Module):
         parameters = list(parameters)  # read twice: the norm, then the scaling
     params = _with_grads(parameters)
-    total = _total_norm(_grads_by_group(parameters), norm_type)
+    total = total_norm(_grads_by_group(parameters), norm_type)
     if error_if_nonfinite and not torch.isfinite(total):
         raise RuntimeError(
             f"the total norm of order {norm_type} of the gradients is non-finite ({total.item()}); "
@@ -67,7 +70,9 @@ def clip_grad_value_(parameters: ParamsOrModule, clip_value: float) -> None:
             grad.clamp_(min=-clip_value, max=clip_value)
 
 
-def _total_norm(groups: dict[object, list[torch.Tensor]], norm_type: float) -> torch.Tensor:
+def total_norm(
+    groups: dict[object, list[torch.Tensor]], norm_type: float, foreach: bool | None = None
+) -> torch.Tensor:
     """The local norm of each group's gradients, as a p-th power (the maximum for the inf-norm),
     all-reduced over each shard group (the replicated part counted once, locally), combined."""
     device = next((g.device for grads in groups.values() for g in grads), torch.device("cpu"))
@@ -77,21 +82,22 @@ def _total_norm(groups: dict[object, list[torch.Tensor]], norm_type: float) -> t
         part = torch.zeros((), dtype=torch.float32, device=device)
         grads = [g for g in grads if g.numel()]  # a rank may hold nothing of a parameter (ragged shards)
         if grads:
-            part = torch.nn.utils.get_total_norm(grads, norm_type).to(device=device, dtype=torch.float32)
+            part = TORCH_TOTAL_NORM(grads, norm_type, foreach=foreach).to(device=device, dtype=torch.float32)
             if not infinite:
                 part = part.pow(norm_type)
-        if key is not _REPLICATED:
+        group = None if key is _WORLD else key
+        if key is not REPLICATED and dist.get_world_size(group) > 1:  # a shard group of one rank: nothing to add
             op = dist.ReduceOp.MAX if infinite else dist.ReduceOp.SUM
-            dist.all_reduce(part, op=op, group=None if key is _WORLD else key)
+            dist.all_reduce(part, op=op, group=group)
         total = torch.maximum(total, part) if infinite else total + part
     return total if infinite else total.pow(1.0 / norm_type)
 
 
-_REPLICATED = object()  # parameters every rank holds whole: counted once, locally
+REPLICATED = object()  # parameters every rank holds whole: counted once, locally
 _WORLD = object()  # sharded over the default process group
 
 
-def _group_key(process_group: dist.ProcessGroup | None) -> object:
+def group_key(process_group: dist.ProcessGroup | None) -> object:
     return _WORLD if process_group is None else process_group
 
 
@@ -112,7 +118,7 @@ def _grads_by_group(parameters: ParamsOrModule) -> dict[object, list[torch.Tenso
         if param.grad is None:
             continue
         shard = getattr(param, "ragged_shard", None)
-        key = _REPLICATED if shard is None else _group_key(shard.process_group)
+        key = REPLICATED if shard is None else group_key(shard.process_group)
         groups.setdefault(key, []).append(param.grad)
     return groups
 
@@ -121,7 +127,7 @@ def _module_grads(module: nn.Module) -> dict[object, list[torch.Tensor]]:
     """One flat gradient per DBuffer whose parameters' grads all live in it; single grads otherwise."""
     groups: dict[object, list[torch.Tensor]] = {}
     for dbuffer in get_state(module).dbuffers():
-        groups.setdefault(_group_key(dbuffer.process_group), []).extend(_dbuffer_grads(dbuffer))
+        groups.setdefault(group_key(dbuffer.process_group), []).extend(_dbuffer_grads(dbuffer))
     return groups
 
 

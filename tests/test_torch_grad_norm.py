@@ -92,20 +92,78 @@ def test_torchtitan_get_total_norm_is_global(dist_pool) -> None:
         assert result["plain_collectives"] == 0 and result["plain_diff"] <= 1e-6, result
 
 
-def _nonfinite_on_one_rank() -> str:
+def _every_norm_kind() -> dict:
+    """torch's get_total_norm in fp64 over every norm kind, on the shards alone and mixed with a plain tensor."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    reference, sharded = make_model(0).double(), _shard(make_model(0).double())
+    tokens = make_batches(1, 2 * world)[0]
+    lm_loss(reference, tokens).backward()
+    lm_loss(sharded, tokens[2 * rank : 2 * rank + 2]).backward()
+    replicated = torch.linspace(-2.0, 3.0, 7, dtype=torch.float64)  # the same tensor on every rank, not sharded
+    full = [p.grad for p in reference.parameters()]
+    shards = [p.grad for p in sharded.parameters()]
+    diffs, dtypes = {}, set()
+    for norm_type in (2.0, 1.0, 3.0, -1.0, float("inf"), float("-inf")):
+        for mixed in (False, True):
+            expected = torch.nn.utils.clip_grad._get_total_norm.__wrapped__(full + [replicated] * mixed, norm_type)
+            total = torch.nn.utils.get_total_norm(shards + [replicated] * mixed, norm_type)
+            diffs[f"{norm_type} mixed={mixed}"] = abs(total.item() - expected.item()) / max(expected.item(), 1e-300)
+            dtypes.add(total.dtype)
+    try:
+        torch.nn.utils.get_total_norm(shards, 0.0)
+        zero_norm = "no error"
+    except ValueError as error:
+        zero_norm = str(error)
+    return {"diffs": diffs, "dtypes": dtypes, "zero_norm": zero_norm}
+
+
+def test_every_norm_kind_and_dtype_as_torch(dist_pool) -> None:
+    for result in dist_pool(3).run(_every_norm_kind):
+        # The two runs' gradients differ by fp64 rounding (whole-batch mean vs the mean of rank means):
+        # ~1e-16 of the largest gradient. Sums of powers stay within 1e-12 relative; the -1 and -inf norms
+        # are set by the smallest |g| (~1e-6 of the largest here), so their relative error is ~1e-10.
+        diffs = result["diffs"]
+        assert max(d for k, d in diffs.items() if not k.startswith("-")) <= 1e-12, result
+        assert max(d for k, d in diffs.items() if k.startswith("-")) <= 1e-8, result
+        assert result["dtypes"] == {torch.float64}, result  # torch's dtype: the gradients'
+        assert "norm_type=0 is not supported" in result["zero_norm"], result
+
+
+def _nonfinite_on_last_rank(norm_type: float, value: float) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     sharded = _shard(make_model(0))
     lm_loss(sharded, make_batches(1, 2 * world)[0][2 * rank : 2 * rank + 2]).backward()
-    if rank == 0:
-        next(p for p in sharded.parameters() if p.numel()).grad[0] = float("inf")
+    if rank == world - 1:  # not rank 0: gloo's MAX keeps a NaN only from the first rank
+        next(p for p in sharded.parameters() if p.numel()).grad[0] = value
+    grads = [p.grad for p in sharded.parameters()]
+    norm = torch.nn.utils.get_total_norm(grads, norm_type).item()
     try:
-        torch.nn.utils.clip_grad_norm_(sharded.parameters(), MAX_NORM, error_if_nonfinite=True)
+        torch.nn.utils.clip_grad_norm_(sharded.parameters(), MAX_NORM, norm_type, error_if_nonfinite=True)
     except RuntimeError as error:
-        return str(error)
-    return "no error"
+        return {"norm": norm, "error": str(error)}
+    return {"norm": norm, "error": "no error"}
 
 
-def test_nonfinite_norm_raises_on_every_rank(dist_pool) -> None:
-    # the inf sits in rank 0's part only: the global norm is inf everywhere, so every rank refuses
-    for message in dist_pool(2).run(_nonfinite_on_one_rank):
-        assert "non-finite" in message, message
+@pytest.mark.parametrize("norm_type", [2.0, float("inf")])
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_nonfinite_norm_raises_on_every_rank(dist_pool, norm_type: float, value: float) -> None:
+    # the bad value sits in the last rank's part only: the global norm is non-finite everywhere
+    for result in dist_pool(3).run(_nonfinite_on_last_rank, norm_type, value):
+        assert not torch.isfinite(torch.tensor(result["norm"])), result
+        assert "non-finite" in result["error"], result
+
+
+def _compiled_clipping() -> dict[str, float]:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    reference, sharded = make_model(0), _shard(make_model(0))
+    tokens = make_batches(1, 2 * world)[0]
+    lm_loss(reference, tokens).backward()
+    lm_loss(sharded, tokens[2 * rank : 2 * rank + 2]).backward()
+    expected = torch.nn.utils.clip_grad_norm_(reference.parameters(), MAX_NORM)
+    total = torch.compile(lambda: torch.nn.utils.clip_grad_norm_(sharded.parameters(), MAX_NORM))()
+    return {"norm_diff": abs(total.item() - expected.item()) / expected.item()}
+
+
+def test_compiled_torch_clipping_is_global(dist_pool) -> None:
+    for result in dist_pool(2).run(_compiled_clipping):  # the norm runs eagerly inside the compiled function
+        assert result["norm_diff"] <= 1e-5, result

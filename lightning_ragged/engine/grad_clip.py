@@ -1,12 +1,9 @@
 """Gradient clipping on ragged shards: the true global norm, computed on the flat buffers.
 
-Each rank holds the reduced gradient of its own segment only, so a local
-``torch.nn.utils.clip_grad_norm_`` would clip by a *local* norm. Here every rank takes
-``torch.nn.utils.get_total_norm`` of its sharded gradients (one flat buffer per DBuffer,
-padding is zero), and the p-th powers (the maxima for the inf-norm) are all-reduced once
-per **shard group only** — under HSDP the replicas hold identical shards, so reducing
-over them too would count every element ``r`` times; ``torch.nn.utils.clip_grads_with_norm_``
-then scales the gradients by the global norm.
+Each rank holds the reduced gradient of its own segment only, so a local norm would clip each
+rank differently. Here the norm is ``global_norm.total_norm`` of the sharded gradients (one flat
+buffer per DBuffer, padding is zero), reduced once per shard group, and
+``torch.nn.utils.clip_grads_with_norm_`` scales the gradients by it.
 
 Works for plain ``fully_shard`` users as for the Lightning strategy::
 
@@ -17,20 +14,17 @@ Works for plain ``fully_shard`` users as for the Lightning strategy::
 
 from __future__ import annotations
 
-import math
 from typing import Iterable, Union
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from lightning_ragged.engine.dbuffer import DBuffer
+from lightning_ragged.engine.global_norm import REPLICATED, group_key, total_norm
 from lightning_ragged.engine.runtime import get_state
 
 ParamsOrModule = Union[nn.Module, torch.Tensor, Iterable[torch.Tensor]]
 
-TORCH_TOTAL_NORM = torch.nn.utils.get_total_norm
-"""torch's own, taken before ``torch_grad_norm`` routes the public name: the local part of each norm."""
 
 
 def clip_grad_norm_(
@@ -44,7 +38,7 @@ def clip_grad_norm_(
     ``parameters`` is a module sharded by ``fully_shard`` (fast path: the norm of each
     DBuffer's flat gradient) or an iterable of parameters (sharded ones carry
     ``param.ragged_shard``; parameters without it are treated as replicated on every
-    rank). Returns the total norm (fp32), the same on every rank, like
+    rank). Returns the total norm (fp32; fp64 for fp64 gradients), the same on every rank, like
     ``torch.nn.utils.clip_grad_norm_``. Collective: call it on every rank.
     """
     norm_type = float(norm_type)
@@ -68,37 +62,6 @@ def clip_grad_value_(parameters: ParamsOrModule, clip_value: float) -> None:
     for grads in _grads_by_group(parameters).values():
         for grad in grads:
             grad.clamp_(min=-clip_value, max=clip_value)
-
-
-def total_norm(
-    groups: dict[object, list[torch.Tensor]], norm_type: float, foreach: bool | None = None
-) -> torch.Tensor:
-    """The local norm of each group's gradients, as a p-th power (the maximum for the inf-norm),
-    all-reduced over each shard group (the replicated part counted once, locally), combined."""
-    device = next((g.device for grads in groups.values() for g in grads), torch.device("cpu"))
-    infinite = math.isinf(norm_type)
-    total = torch.zeros((), dtype=torch.float32, device=device)
-    for key, grads in groups.items():
-        part = torch.zeros((), dtype=torch.float32, device=device)
-        grads = [g for g in grads if g.numel()]  # a rank may hold nothing of a parameter (ragged shards)
-        if grads:
-            part = TORCH_TOTAL_NORM(grads, norm_type, foreach=foreach).to(device=device, dtype=torch.float32)
-            if not infinite:
-                part = part.pow(norm_type)
-        group = None if key is _WORLD else key
-        if key is not REPLICATED and dist.get_world_size(group) > 1:  # a shard group of one rank: nothing to add
-            op = dist.ReduceOp.MAX if infinite else dist.ReduceOp.SUM
-            dist.all_reduce(part, op=op, group=group)
-        total = torch.maximum(total, part) if infinite else total + part
-    return total if infinite else total.pow(1.0 / norm_type)
-
-
-REPLICATED = object()  # parameters every rank holds whole: counted once, locally
-_WORLD = object()  # sharded over the default process group
-
-
-def group_key(process_group: dist.ProcessGroup | None) -> object:
-    return _WORLD if process_group is None else process_group
 
 
 def _with_grads(parameters: nn.Module | list[torch.Tensor]) -> list[torch.Tensor]:

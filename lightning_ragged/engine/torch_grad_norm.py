@@ -13,6 +13,7 @@ Called with no such gradient it is torch's function, untouched: no collective, s
 
 from __future__ import annotations
 
+import functools
 import math
 import weakref
 from typing import Iterable
@@ -21,7 +22,7 @@ import torch
 from torch import nn
 
 from lightning_ragged.engine.dbuffer import DBuffer
-from lightning_ragged.engine.grad_clip import REPLICATED, TORCH_TOTAL_NORM, group_key, total_norm
+from lightning_ragged.engine.global_norm import REPLICATED, TORCH_TOTAL_NORM, group_key, total_norm
 
 _DBUFFERS: weakref.WeakSet[DBuffer] = weakref.WeakSet()
 """Every DBuffer of a sharded model alive in this process (their flat gradients are looked up)."""
@@ -35,6 +36,7 @@ def route_torch_grad_norm(dbuffers: Iterable[DBuffer]) -> None:
             setattr(namespace, name, get_total_norm)
 
 
+@torch.compiler.disable  # storage addresses are not traceable: under torch.compile this runs eagerly
 @torch.no_grad()
 def get_total_norm(
     tensors: torch.Tensor | Iterable[torch.Tensor],
@@ -45,14 +47,14 @@ def get_total_norm(
     """torch's ``get_total_norm``; over all ranks' parts for gradients of sharded parameters (a collective then).
 
     Every rank passes its own gradients of the same parameters, as with FSDP2's DTensors;
-    the result (fp32) is the same on every rank.
+    the result is the same on every rank, in torch's dtype (the gradients' promoted dtype).
     """
     tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
     norm_type = float(norm_type)
     groups = _by_shard_group(tensors)
     if list(groups) in ([], [REPLICATED]):
         return TORCH_TOTAL_NORM(tensors, norm_type, error_if_nonfinite, foreach)
-    total = total_norm(groups, norm_type, foreach)
+    total = total_norm(groups, norm_type, foreach).to(functools.reduce(torch.promote_types, (t.dtype for t in tensors)))
     if error_if_nonfinite and not math.isfinite(total.item()):
         raise RuntimeError(
             f"The total norm of order {norm_type} for gradients from `parameters` is non-finite, so it cannot be "

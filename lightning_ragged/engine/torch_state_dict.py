@@ -27,6 +27,7 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from lightning_ragged.engine.dbuffer import DBuffer
+from lightning_ragged.engine.param_groups import warn_shape_chosen_groups
 from lightning_ragged.engine.runtime import get_state
 from lightning_ragged.engine.shard_group import ShardGroup
 from lightning_ragged.engine.state_shard import FULL_TENSORS, StateShard, layout_of
@@ -143,10 +144,12 @@ def hook_optimizer(optimizer: torch.optim.Optimizer) -> None:
 
     Every ``step()`` calls it first; lightning_ragged's own loaders and the strategy call it
     too, so an optimizer that holds states before its first step is covered there as well.
+    Its parameter groups are checked for the choice-by-shape trap then (``param_groups.py``).
     """
     if "_ragged_state_dict_hooked" in optimizer.__dict__ or hasattr(optimizer, "state_layout"):
         return  # seen, or a lightning_ragged optimizer (its state_dict has its own named layout)
     optimizer.__dict__["_ragged_state_dict_hooked"] = True
+    warn_shape_chosen_groups(optimizer)
     optimizer.register_state_dict_post_hook(_optimizer_state_shards)
     optimizer.register_load_state_dict_pre_hook(_optimizer_local_parts)
     for param, entries in optimizer.state.items():

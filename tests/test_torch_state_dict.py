@@ -122,6 +122,28 @@ def test_fsdp2_checkpoint_of_torch_apis_resumes_a_ragged_model(dist_pool, tmp_pa
     assert max(abs(a - b) for a, b in zip(resumed, trace[STEPS // 2 :])) < 1e-5, (resumed, trace)
 
 
+def test_dcp_to_torch_save_gives_the_full_tensors_fsdp2_gives(dist_pool, tmp_path) -> None:
+    """torch's offline converter turns a ragged directory into one torch.save file of full tensors.
+
+    Oracle: FSDP2 trained the same steps on the same batches and saved with the same calls.
+    """
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    converted = {}
+    for framework in ("ragged", "fsdp2"):
+        root = str(tmp_path / framework)
+        dist_pool(2).run(check_save_with_torch_apis, root, False, framework)
+        dcp_to_torch_save(root, root + ".pt")
+        converted[framework] = torch.load(root + ".pt", weights_only=True)
+    ragged, fsdp2 = converted["ragged"], converted["fsdp2"]
+    assert ragged["model"].keys() == fsdp2["model"].keys()
+    for name, value in fsdp2["model"].items():
+        assert ragged["model"][name].shape == value.shape and torch.allclose(ragged["model"][name], value, atol=1e-5)
+    for name, states in fsdp2["optim"]["state"].items():
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.allclose(ragged["optim"]["state"][name][key], states[key], atol=1e-6), (name, key)
+
+
 def check_state_dict_protocol() -> dict:
     """``state_dict()``'s StateShards, ``load_state_dict`` of full tensors, and the refusals, on every rank."""
     from lightning_ragged.engine.state_shard import StateShard

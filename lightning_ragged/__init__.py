@@ -3,7 +3,7 @@
 from lightning_ragged.layout.errors import DBufferAlignmentError, RaggedShardBoundaryViolation
 from lightning_ragged.engine.api import fully_shard, get_state, no_sync, set_requires_gradient_sync
 from lightning_ragged.engine.state_dict import full_state_dict, load_full_state_dict
-from lightning_ragged.engine.fsdp_module import FSDPModule
+from lightning_ragged.engine.fsdp_module import FSDPModule, register_fsdp_forward_method
 from lightning_ragged.engine.fp8_gather import Float8AllGather
 from lightning_ragged.engine.grad_clip import clip_grad_norm_, clip_grad_value_
 from lightning_ragged.engine.torch_state_dict import hook_optimizer
@@ -32,6 +32,7 @@ __all__ = [
     "load_full_state_dict",
     "no_sync",
     "plan",
+    "register_fsdp_forward_method",
     "set_requires_gradient_sync",
 ]
 

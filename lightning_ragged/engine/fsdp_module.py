@@ -8,6 +8,7 @@ run unchanged. ``isinstance(module, OriginalClass)`` still holds.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, Iterable
 
 import torch
@@ -114,6 +115,45 @@ class FSDPModule:
                     "for a compute dtype"
                 )
         return super()._apply(fn, recurse)
+
+
+def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
+    """FSDP2's ``register_fsdp_forward_method``: ``module.<method_name>(...)`` runs the hooks ``forward`` has.
+
+    A method other than ``forward`` (an ``encode``, Hugging Face's ``generate``) that reads the
+    module's parameters itself would see this rank's 1-D shards. The method is called through
+    ``module(...)`` with ``forward`` standing in for it (how Lightning runs ``training_step``), so
+    everything the hooks do runs around it: the gathers, the backward's reductions, the step's
+    start; a ``self(x)`` inside sees the real ``forward``. A no-op on a module that is not
+    sharded, as torch's.
+    """
+    if not isinstance(module, FSDPModule):
+        return
+    if not hasattr(module, method_name):
+        raise ValueError(f"{type(module)} does not have a method {method_name!r}")
+    method = getattr(module, method_name)
+
+    @functools.wraps(method)
+    def through_forward(*args: Any, **kwargs: Any) -> Any:
+        own_forward = module.__dict__.get("forward")  # an instance attribute set before, if any
+
+        def restore() -> None:
+            if own_forward is None:
+                module.__dict__.pop("forward", None)
+            else:
+                module.__dict__["forward"] = own_forward
+
+        def stand_in(*inner_args: Any, **inner_kwargs: Any) -> Any:
+            restore()
+            return method(*inner_args, **inner_kwargs)
+
+        module.__dict__["forward"] = stand_in
+        try:
+            return module(*args, **kwargs)
+        finally:
+            restore()
+
+    module.__dict__[method_name] = through_forward
 
 
 def make_fsdp_module(module: nn.Module) -> None:

@@ -1,0 +1,97 @@
+"""``lr.register_fsdp_forward_method``: FSDP2's way to run a method other than ``forward`` on a sharded model.
+
+A method that reads the root's parameters itself before calling any module that owns one (a
+learned positional table, as here) sees this rank's 1-D shard without it. Oracle:
+single-process training of the same model through the same method.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import lightning_ragged as lr
+from tests.models import TinyLM, make_batches
+
+
+class Scorer(TinyLM):
+    """TinyLM with methods that are not ``forward``: one reads ``self.pos`` first, one calls ``self(x)`` twice."""
+
+    def score(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.pos[: tokens.shape[1]] * 2.0 + self.embed(tokens)  # the root's parameter, read directly
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x)).logsumexp(-1).mean()
+
+    def twice(self, tokens: torch.Tensor) -> torch.Tensor:  # like generate: forward inside, more than once
+        return self(tokens).logsumexp(-1).mean() + self(tokens.flip(1)).logsumexp(-1).mean()
+
+
+def _make(seed: int = 0) -> Scorer:
+    torch.manual_seed(seed)
+    return Scorer()
+
+
+def _shard(model: Scorer) -> Scorer:
+    for block in model.blocks:
+        lr.fully_shard(block)
+    return lr.fully_shard(model)
+
+
+def _unregistered_score() -> str:
+    model = _shard(_make())
+    try:
+        with torch.no_grad():
+            model.score(make_batches(1, 2)[0][:, :-1])
+    except RuntimeError as error:
+        return str(error)
+    return "no error"
+
+
+def _train_through_methods() -> dict:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    reference, sharded = _make(), _shard(_make())
+    lr.register_fsdp_forward_method(sharded, "score")
+    lr.register_fsdp_forward_method(sharded, "twice")
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (reference, sharded)]
+    loss_diff = 0.0
+    for step, batch in enumerate(make_batches(4, 2 * world)):
+        tokens = batch[:, :-1]
+        method = "score" if step % 2 == 0 else "twice"
+        with torch.no_grad():  # evaluation through the method first: gathered, then released
+            loss_diff = max(loss_diff, abs(getattr(sharded, method)(tokens).item()
+                                           - getattr(reference, method)(tokens).item()))
+        getattr(reference, method)(tokens).backward()
+        local = getattr(sharded, method)(tokens[2 * rank : 2 * rank + 2])
+        local.backward()
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad()
+    full = lr.full_state_dict(sharded)
+    param_diff = max((full[name] - value).abs().max().item() for name, value in reference.state_dict().items())
+    plain = _make()
+    lr.register_fsdp_forward_method(plain, "score")  # not sharded: nothing to do, as torch's
+    try:
+        lr.register_fsdp_forward_method(sharded, "no_such_method")
+        missing = "no error"
+    except ValueError as error:
+        missing = str(error)
+    return {
+        "loss_diff": loss_diff, "param_diff": param_diff, "missing": missing,
+        "plain_untouched": "score" not in plain.__dict__,
+    }
+
+
+def test_a_method_reading_root_parameters_needs_registering(dist_pool) -> None:
+    for message in dist_pool(2).run(_unregistered_score):
+        assert "size of tensor" in message, message  # the 1-D shard met the 2-D activations
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_registered_methods_train_as_single_process(dist_pool, world_size: int) -> None:
+    for result in dist_pool(world_size).run(_train_through_methods):
+        # fp32, 4 AdamW steps at lr 1e-2, the batch split over ranks: the usual 1e-5 of this suite
+        assert result["loss_diff"] <= 1e-5 and result["param_diff"] <= 1e-5, result
+        assert "does not have a method 'no_such_method'" in result["missing"], result
+        assert result["plain_untouched"], result

@@ -109,6 +109,9 @@ def _every_norm_kind() -> dict:
             total = torch.nn.utils.get_total_norm(shards + [replicated] * mixed, norm_type)
             diffs[f"{norm_type} mixed={mixed}"] = abs(total.item() - expected.item()) / max(expected.item(), 1e-300)
             dtypes.add(total.dtype)
+        expected = torch.nn.utils.clip_grad._get_total_norm.__wrapped__(full, norm_type)
+        total = lr.clip_grad_norm_(sharded, float("inf"), norm_type)  # the flat-buffer path; scales by 1
+        diffs[f"{norm_type} lr.clip_grad_norm_(model)"] = abs(total.item() - expected.item()) / expected.item()
     try:
         torch.nn.utils.get_total_norm(shards, 0.0)
         zero_norm = "no error"
@@ -136,20 +139,23 @@ def _nonfinite_on_last_rank(norm_type: float, value: float) -> dict:
     if rank == world - 1:  # not rank 0: gloo's MAX keeps a NaN only from the first rank
         next(p for p in sharded.parameters() if p.numel()).grad[0] = value
     grads = [p.grad for p in sharded.parameters()]
-    norm = torch.nn.utils.get_total_norm(grads, norm_type).item()
+    result = {"norm": torch.nn.utils.get_total_norm(grads, norm_type).item(),
+              "model_norm": lr.clip_grad_norm_(sharded, float("inf"), norm_type).item()}
     try:
         torch.nn.utils.clip_grad_norm_(sharded.parameters(), MAX_NORM, norm_type, error_if_nonfinite=True)
     except RuntimeError as error:
-        return {"norm": norm, "error": str(error)}
-    return {"norm": norm, "error": "no error"}
+        return {**result, "error": str(error)}
+    return {**result, "error": "no error"}
 
 
-@pytest.mark.parametrize("norm_type", [2.0, float("inf")])
-@pytest.mark.parametrize("value", [float("nan"), float("inf")])
-def test_nonfinite_norm_raises_on_every_rank(dist_pool, norm_type: float, value: float) -> None:
-    # the bad value sits in the last rank's part only: the global norm is non-finite everywhere
-    for result in dist_pool(3).run(_nonfinite_on_last_rank, norm_type, value):
-        assert not torch.isfinite(torch.tensor(result["norm"])), result
+@pytest.mark.parametrize("norm_type,value", [(2.0, "nan"), (2.0, "inf"), ("inf", "nan"), ("inf", "inf"),
+                                             ("-inf", "nan"), (-1.0, "nan")])
+def test_nonfinite_norm_raises_on_every_rank(dist_pool, norm_type, value: str) -> None:
+    # The bad value sits in the last rank's part only: the global norm is non-finite everywhere, on both
+    # paths (torch's routed function, lr.clip_grad_norm_ on the model). An inf is no extreme for p < 0 or
+    # -inf (|inf|^p = 0), as in torch, so only NaN is tried there.
+    for result in dist_pool(3).run(_nonfinite_on_last_rank, float(norm_type), float(value)):
+        assert not torch.isfinite(torch.tensor([result["norm"], result["model_norm"]])).any(), result
         assert "non-finite" in result["error"], result
 
 

@@ -47,7 +47,9 @@ def clip_grad_norm_(
     elif not isinstance(parameters, nn.Module):
         parameters = list(parameters)  # read twice: the norm, then the scaling
     params = _with_grads(parameters)
-    total = total_norm(_grads_by_group(parameters), norm_type)
+    # A flat buffer's padding and frozen slices are zeros: they add nothing for p > 0 (and +inf),
+    # but are the minimum for p < 0 and -inf, so those take the shards' own gradients.
+    total = total_norm(_grads_by_group(parameters, flat=norm_type > 0), norm_type)
     if error_if_nonfinite and not torch.isfinite(total):
         raise RuntimeError(
             f"the total norm of order {norm_type} of the gradients is non-finite ({total.item()}); "
@@ -71,9 +73,9 @@ def _with_grads(parameters: nn.Module | list[torch.Tensor]) -> list[torch.Tensor
     return [p for p in parameters if p.grad is not None]
 
 
-def _grads_by_group(parameters: ParamsOrModule) -> dict[object, list[torch.Tensor]]:
+def _grads_by_group(parameters: ParamsOrModule, flat: bool = True) -> dict[object, list[torch.Tensor]]:
     if isinstance(parameters, nn.Module):
-        return _module_grads(parameters)
+        return _module_grads(parameters, flat)
     if isinstance(parameters, torch.Tensor):
         parameters = [parameters]
     groups: dict[object, list[torch.Tensor]] = {}
@@ -86,19 +88,19 @@ def _grads_by_group(parameters: ParamsOrModule) -> dict[object, list[torch.Tenso
     return groups
 
 
-def _module_grads(module: nn.Module) -> dict[object, list[torch.Tensor]]:
-    """One flat gradient per DBuffer whose parameters' grads all live in it; single grads otherwise."""
+def _module_grads(module: nn.Module, flat: bool) -> dict[object, list[torch.Tensor]]:
+    """``flat``: one flat gradient per DBuffer whose parameters' grads all live in it; single grads otherwise."""
     groups: dict[object, list[torch.Tensor]] = {}
     for dbuffer in get_state(module).dbuffers():
-        groups.setdefault(group_key(dbuffer.process_group), []).extend(_dbuffer_grads(dbuffer))
+        groups.setdefault(group_key(dbuffer.process_group), []).extend(_dbuffer_grads(dbuffer, flat))
     return groups
 
 
-def _dbuffer_grads(dbuffer: DBuffer) -> list[torch.Tensor]:
+def _dbuffer_grads(dbuffer: DBuffer, flat_ok: bool) -> list[torch.Tensor]:
     params = [p for p in dbuffer.sharded_params.values() if p.requires_grad]
     grads = [p.grad for p in params if p.grad is not None]
     flat = dbuffer.sharded_grad
-    if flat is not None and grads and len(grads) == len(params):
+    if flat_ok and flat is not None and grads and len(grads) == len(params):
         storage = flat.untyped_storage().data_ptr()
         if all(g.untyped_storage().data_ptr() == storage for g in grads):
             return [flat]  # every gradient is a view of the flat buffer (padding and frozen slices are zero)

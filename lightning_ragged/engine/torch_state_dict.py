@@ -149,13 +149,13 @@ def hook_optimizer(optimizer: torch.optim.Optimizer) -> None:
     if "_ragged_state_dict_hooked" in optimizer.__dict__ or hasattr(optimizer, "state_layout"):
         return  # seen, or a lightning_ragged optimizer (its state_dict has its own named layout)
     optimizer.__dict__["_ragged_state_dict_hooked"] = True
-    warn_shape_chosen_groups(optimizer)
     optimizer.register_state_dict_post_hook(_optimizer_state_shards)
     optimizer.register_load_state_dict_pre_hook(_optimizer_local_parts)
     for param, entries in optimizer.state.items():
         shard = getattr(param, "ragged_shard", None)
         if shard is not None:
             optimizer.state[param] = _local_entries(entries, shard, entries)
+    warn_shape_chosen_groups(optimizer)  # last: a warning turned into an error leaves the hooks in place
 
 
 def _before_step(optimizer: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:

@@ -177,12 +177,10 @@ def check_state_dict_protocol() -> dict:
     broadcast = max((full[k] - v).abs().max().item() for k, v in other.items())
     kept = model.state_dict(keep_vars=True)
     identity = all(kept[name] is param for name, param in model.named_parameters())
-    torch_full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
     errors = {}
     for what, call in {
         "sum": lambda: state["blocks.0.up.weight"].sum(),
         "pickle": lambda: torch.save(state, io.BytesIO()),
-        "torch_full_state_dict": lambda: torch.save(torch_full, io.BytesIO()),
         "into_full": lambda: plain.load_state_dict(model.state_dict()),
         "assign": lambda: model.load_state_dict(plain.state_dict(), assign=True),
     }.items():
@@ -204,9 +202,53 @@ def test_state_dict_gives_state_shards_and_load_state_dict_takes_them_and_full_t
         assert result["loaded"] == result["restored"] == result["broadcast"] == 0.0, result
         assert result["doubled"] < 1e-6, result  # lerp's rounding on values ~0.1
         assert result["equal"] == (True, False) and result["identity"], result
-        for what in ("sum", "pickle", "torch_full_state_dict", "into_full"):
+        for what in ("sum", "pickle", "into_full"):
             assert "lightning_ragged.full_state_dict(model)" in result["errors"][what], (what, result)
         assert "assign=False" in result["errors"]["assign"], result
+
+
+def check_full_state_dicts_through_torch(framework: str) -> dict:
+    """Train, then torch's full-state-dict options: the full tensors, on every rank or on rank 0's CPU only."""
+    model, optimizer = _ragged(False, seed=0) if framework == "ragged" else _fsdp2(seed=0)
+    data = make_batches(STEPS // 2, BATCH)
+    for batch in data:
+        _step(model, optimizer, batch)
+    everywhere = StateDictOptions(full_state_dict=True)
+    rank0_cpu = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    result = {
+        "model": get_model_state_dict(model, options=everywhere),
+        "optim": get_optimizer_state_dict(model, optimizer, options=everywhere),
+        "model_cpu": get_model_state_dict(model, options=rank0_cpu),
+        "optim_cpu": get_optimizer_state_dict(model, optimizer, options=rank0_cpu),
+        # DTensor's own call on each value, as FSDP2 scripts write it
+        "full_tensor": {k: v.full_tensor() for k, v in model.state_dict().items()},
+    }
+    torch.save(result["model"], io.BytesIO())  # full tensors: no StateShard left to refuse pickling
+    return result
+
+
+def test_full_state_dicts_through_torch_apis_are_fsdp2s(dist_pool) -> None:
+    """Oracle: FSDP2 trained the same steps on the same batches, asked the same way."""
+    ragged = dist_pool(2).run(check_full_state_dicts_through_torch, "ragged")
+    fsdp2 = dist_pool(2).run(check_full_state_dicts_through_torch, "fsdp2")
+    for rank in range(2):
+        ours, theirs = ragged[rank], fsdp2[rank]
+        for key in ("model", "full_tensor") + (("model_cpu",) if rank == 0 else ()):
+            assert ours[key].keys() == theirs["model"].keys(), key
+            for name, value in theirs["model"].items():
+                mine = ours[key][name]
+                assert type(mine) is torch.Tensor and mine.shape == value.shape, (key, name, type(mine))
+                assert torch.allclose(mine, value, atol=1e-5), (key, name)
+        assert all(v.device.type == "cpu" for v in ours["model_cpu"].values())
+        for key in ("optim",) + (("optim_cpu",) if rank == 0 else ()):
+            assert ours[key]["param_groups"] == theirs["optim"]["param_groups"], key
+            for name, states in theirs["optim"]["state"].items():
+                for state_key in ("exp_avg", "exp_avg_sq"):
+                    mine = ours[key]["state"][name][state_key]
+                    assert type(mine) is torch.Tensor, (key, name, type(mine))
+                    assert torch.allclose(mine, states[state_key], atol=1e-6), (key, name, state_key)
+        if rank == 1:  # cpu_offload keeps rank 0's only, as torch does
+            assert ours["model_cpu"] == {} and ours["optim_cpu"] == {} and theirs["model_cpu"] == {}
 
 
 def check_full_parameters_kept_between_steps() -> dict:

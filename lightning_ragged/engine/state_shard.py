@@ -12,6 +12,7 @@ sharded parameter (and for each state shaped like it), where FSDP2's hold DTenso
   DTensor's is.
 - **What needs the whole tensor is refused**, naming the way to full tensors: reductions,
   reading values, filling a full tensor, pickling. It is never answered from the local part.
+  ``full_tensor()`` gathers the whole, as DTensor's does.
 """
 
 from __future__ import annotations
@@ -29,8 +30,9 @@ from lightning_ragged.layout.ragged_shard import Box, RaggedShard
 aten = torch.ops.aten
 
 FULL_TENSORS = (
-    "full tensors come from lightning_ragged.full_state_dict(model); shards are saved and loaded with "
-    "torch.distributed.checkpoint (dcp.save / dcp.load)"
+    "full tensors come from lightning_ragged.full_state_dict(model), a StateShard's full_tensor() or torch's "
+    "get_model_state_dict(model, options=StateDictOptions(full_state_dict=True)); shards are saved and loaded "
+    "with torch.distributed.checkpoint (dcp.save / dcp.load)"
 )
 
 _ELEMENTWISE = {
@@ -71,6 +73,22 @@ class StateShard(torch.Tensor):
     def local(self) -> torch.Tensor:
         """This rank's part: the 1-D tensor of its boxes' elements, back to back."""
         return self._local
+
+    def full_tensor(self) -> torch.Tensor:
+        """The whole tensor, on every rank: an all-gather over the shard group, as DTensor's ``full_tensor()``.
+
+        A collective: every rank of the shard group calls it, in the same order.
+        """
+        ranges = self._shard.rank_ranges
+        longest = max(end - start for start, end in ranges)
+        padded = self._local.new_zeros(longest)
+        padded[: self._local.numel()] = self._local
+        gathered = self._local.new_empty(longest * len(ranges))
+        dist.all_gather_into_tensor(gathered, padded, group=self._shard.process_group)
+        full = self._local.new_empty(self._shard.numel)
+        for rank, (start, end) in enumerate(ranges):
+            full[start:end] = gathered[rank * longest : rank * longest + end - start]
+        return full.view(self._shard.global_shape)
 
     def __repr__(self) -> str:  # type: ignore[override]
         return (

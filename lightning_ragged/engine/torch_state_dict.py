@@ -31,6 +31,7 @@ from lightning_ragged.engine.param_groups import warn_shape_chosen_groups
 from lightning_ragged.engine.runtime import get_state
 from lightning_ragged.engine.shard_group import ShardGroup
 from lightning_ragged.engine.state_shard import FULL_TENSORS, StateShard, layout_of
+from lightning_ragged.engine.torch_full_state_dict import route_full_state_dicts
 from lightning_ragged.layout.ragged_shard import RaggedShard
 
 Slot = tuple[str, DBuffer, str]
@@ -53,6 +54,7 @@ def install_state_dict_hooks(groups: Iterable[ShardGroup]) -> None:
         owner.register_load_state_dict_pre_hook(_bound(_local_parts, tuple(slots)))
     if not _OPTIMIZER_HOOK:
         _OPTIMIZER_HOOK.append(register_optimizer_step_pre_hook(_before_step))
+    route_full_state_dicts()
 
 
 def _bound(hook: Callable[..., Any], slots: tuple[Slot, ...]) -> Callable[..., Any]:

@@ -249,6 +249,37 @@ def test_llama_per_layer_then_root_matches_single_process(dist_pool, impl: str, 
             assert result["layer_groups"] == 2 and result["every_layer_is_a_group"], result
 
 
+def _generate_ending_apart(impl: str) -> dict:
+    """Greedy ``generate`` where rank 0's sequence hits EOS after one token and rank 1's runs on."""
+    import torch.distributed as dist
+
+    from tests.hf_models import make_llama
+
+    rank = dist.get_rank()
+    reference = make_llama()
+    prompts = torch.randint(1, 128, (2, 1, 5), generator=torch.Generator().manual_seed(3))
+    kwargs = {"max_new_tokens": 6, "do_sample": False, "pad_token_id": 0}
+    with torch.no_grad():
+        eos = reference.generate(prompts[0], **kwargs)[0, 5].item()  # rank 0's first new token
+        expected = reference.generate(prompts[rank], eos_token_id=eos, **kwargs)
+    model = make_llama()
+    for layer in model.model.layers:
+        _shard(layer, impl)
+    _shard(model, impl)
+    with torch.no_grad():
+        generated = model.generate(prompts[rank], eos_token_id=eos, **kwargs)  # no synced_gpus: the default
+    return {"same": torch.equal(generated, expected), "new_tokens": generated.shape[1] - 5}
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_generate_keeps_ranks_in_step_when_one_ends_first(dist_pool, impl: str) -> None:
+    # transformers syncs the ranks (synced_gpus) for a module torch's FSDP2 marks as managed; ours carry
+    # the same mark. Without it rank 0 returned after one token while rank 1 waited in an all-gather.
+    results = dist_pool(2).run(_generate_ending_apart, impl)
+    assert all(result["same"] for result in results), results
+    assert results[0]["new_tokens"] == 1 and results[1]["new_tokens"] > 1, results
+
+
 @pytest.mark.parametrize("variant", ["accumulate", "reshard_after_backward", "prefetch"])
 @pytest.mark.parametrize("impl", IMPLS)
 def test_llama_fsdp2_module_methods_train_like_single_process(dist_pool, impl: str, variant: str) -> None:

@@ -31,7 +31,7 @@ from lightning_ragged.engine.checks import check_flag
 from lightning_ragged.engine.collectives import CommStats
 from lightning_ragged.engine.dbuffer import DBuffer
 from lightning_ragged.engine.fp8_gather import Float8AllGather, Fp8Gather, fp8_param_ids, tile_granularity
-from lightning_ragged.engine.fsdp_module import make_fsdp_module, make_save_pretrained_gather
+from lightning_ragged.engine.fsdp_module import make_fsdp_module, make_save_pretrained_gather, mark_managed
 from lightning_ragged.layout.auto import AutoPlan
 from lightning_ragged.layout.granularity import GranularityPolicy, resolve_granularity
 from lightning_ragged.engine.ownership import claim, refuse_sharded_twice
@@ -252,8 +252,7 @@ def fully_shard(
         make_fsdp_module(group.module)
     make_fsdp_module(module)
     make_save_pretrained_gather(module)
-    for submodule in module.modules():
-        submodule.__dict__["_ragged_fsdp_state"] = state
+    mark_managed(module, state)
     claim(module, claimed + [p for group in new_groups for _b, _n, p in _group_params(group)])
     return module
 

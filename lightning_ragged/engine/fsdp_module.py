@@ -8,6 +8,7 @@ run unchanged. ``isinstance(module, OriginalClass)`` still holds.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Any, Callable, Iterable
 
@@ -118,42 +119,62 @@ class FSDPModule:
 
 
 def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
-    """FSDP2's ``register_fsdp_forward_method``: ``module.<method_name>(...)`` runs the hooks ``forward`` has.
+    """FSDP2's ``register_fsdp_forward_method``: ``module.<method_name>(...)`` runs inside the engine's forward hooks.
 
     A method other than ``forward`` (an ``encode``, Hugging Face's ``generate``) that reads the
-    module's parameters itself would see this rank's 1-D shards. The method is called through
-    ``module(...)`` with ``forward`` standing in for it (how Lightning runs ``training_step``), so
-    everything the hooks do runs around it: the gathers, the backward's reductions, the step's
-    start; a ``self(x)`` inside sees the real ``forward``. A no-op on a module that is not
-    sharded, as torch's.
+    module's parameters itself would see this rank's 1-D shards. As torch's, the wrapper calls
+    the hooks lightning_ragged put on ``module`` (gathers, the backward's reductions, the root's
+    step start and end, the latter also when the method raises) around the method; other hooks
+    on the module (activation checkpointing's, yours) are not run for it. They are looked up at
+    each call, so registering before the module is sharded (in a LightningModule's
+    ``configure_model``, before the strategy shards it) works too; on a module with none, the
+    method runs as it is. A generator method runs its body after the hooks: not supported.
     """
-    if not isinstance(module, FSDPModule):
-        return
-    if not hasattr(module, method_name):
+    method = getattr(module, method_name, None)
+    if method is None:
         raise ValueError(f"{type(module)} does not have a method {method_name!r}")
-    method = getattr(module, method_name)
+    if not callable(method) or isinstance(method, nn.Module):
+        raise ValueError(f"{type(module).__name__}.{method_name} is a {type(method).__name__}, not a method")
 
     @functools.wraps(method)
-    def through_forward(*args: Any, **kwargs: Any) -> Any:
-        own_forward = module.__dict__.get("forward")  # an instance attribute set before, if any
-
-        def restore() -> None:
-            if own_forward is None:
-                module.__dict__.pop("forward", None)
-            else:
-                module.__dict__["forward"] = own_forward
-
-        def stand_in(*inner_args: Any, **inner_kwargs: Any) -> Any:
-            restore()
-            return method(*inner_args, **inner_kwargs)
-
-        module.__dict__["forward"] = stand_in
+    def within_engine_hooks(*args: Any, **kwargs: Any) -> Any:
+        pre_hooks, post_hooks = _engine_forward_hooks(module)
+        for hook in pre_hooks:
+            args, kwargs = hook(module, args, kwargs)
         try:
-            return module(*args, **kwargs)
-        finally:
-            restore()
+            output = method(*args, **kwargs)
+        except BaseException:
+            for hook_id, hook in post_hooks:  # as nn.Module does: the always-called ones, their errors silenced
+                if hook_id in module._forward_hooks_always_called:
+                    with contextlib.suppress(Exception):
+                        hook(module, args, None)
+            raise
+        for _, hook in post_hooks:
+            result = hook(module, args, output)
+            output = output if result is None else result
+        return output
 
-    module.__dict__[method_name] = through_forward
+    module.__dict__[method_name] = within_engine_hooks
+
+
+def _engine_forward_hooks(module: nn.Module) -> tuple[list[Callable], list[tuple[int, Callable]]]:
+    """The forward pre-hooks (all take kwargs) and forward hooks lightning_ragged registered on ``module``."""
+    state = module.__dict__.get("_ragged_fsdp_state")
+    ours = set() if state is None else {handle.id for handle in state.handles}
+    pre = [hook for hook_id, hook in module._forward_pre_hooks.items() if hook_id in ours]
+    post = [(hook_id, hook) for hook_id, hook in module._forward_hooks.items() if hook_id in ours]
+    return pre, post
+
+
+def mark_managed(root: nn.Module, state: Any) -> None:
+    """Every module of a sharded model points at its state and carries torch's FSDP2 mark.
+
+    ``_is_fsdp_managed_module`` (with ``_fsdp_use_orig_params``, as torch's ``fully_shard`` sets
+    them) is what libraries read to keep ranks in step: transformers' ``generate`` then syncs
+    the ranks (``synced_gpus``), so a rank whose sequences ended keeps joining the gathers.
+    """
+    for submodule in root.modules():
+        submodule.__dict__.update(_ragged_fsdp_state=state, _is_fsdp_managed_module=True, _fsdp_use_orig_params=True)
 
 
 def make_fsdp_module(module: nn.Module) -> None:

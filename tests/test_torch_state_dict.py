@@ -8,6 +8,7 @@ uninterrupted ragged run, and FSDP2 resuming from the ragged checkpoint.
 
 from __future__ import annotations
 
+import collections
 import copy
 import io
 
@@ -249,6 +250,57 @@ def test_full_state_dicts_through_torch_apis_are_fsdp2s(dist_pool) -> None:
                     assert torch.allclose(mine, states[state_key], atol=1e-6), (key, name, state_key)
         if rank == 1:  # cpu_offload keeps rank 0's only, as torch does
             assert ours["model_cpu"] == {} and ours["optim_cpu"] == {} and theirs["model_cpu"] == {}
+
+
+class GainSGD(torch.optim.SGD):
+    """SGD with momentum that also keeps a one-element state per parameter (a custom optimizer's gain)."""
+
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for param in group["params"]:
+                self.state[param].setdefault("gain", torch.ones(1))
+        return super().step(closure)
+
+
+class Tagged(torch.nn.Module):
+    """A module whose extra state is a namedtuple (torch's state dicts carry it as it is)."""
+
+    Meta = collections.namedtuple("Meta", "version scale")
+
+    def get_extra_state(self):
+        return self.Meta(2, 0.5)
+
+    def set_extra_state(self, state) -> None:
+        pass
+
+
+def check_full_state_dicts_of_odd_states() -> dict:
+    """Element granularity at 3 ranks gives one-element parts: a gain of one element looks per-element there."""
+    model, _ = _ragged(True, seed=0)
+    optimizer = GainSGD(model.parameters(), lr=1e-2, momentum=0.9)
+    reference = _make(True, 0)
+    reference_optimizer = torch.optim.SGD(reference.parameters(), lr=1e-2, momentum=0.9)
+    one_element_parts = sum(p.numel() == 1 for p in model.parameters())
+    for batch in make_batches(2, BATCH):
+        _step(model, optimizer, batch)
+        lm_loss(reference, batch).backward()
+        reference_optimizer.step()
+        reference_optimizer.zero_grad()
+    full = get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True))
+    by_name = dict(reference.named_parameters())
+    momentum = max((full["state"][name]["momentum_buffer"] - reference_optimizer.state[param]["momentum_buffer"])
+                   .abs().max().item() for name, param in by_name.items())
+    gains = all(torch.equal(full["state"][name]["gain"], torch.ones(1)) for name in by_name)
+    tagged = get_model_state_dict(Tagged(), options=StateDictOptions(full_state_dict=True))
+    return {"momentum": momentum, "gains": gains, "tagged": tagged, "one_element_parts": one_element_parts}
+
+
+def test_full_state_dicts_of_one_element_states_and_namedtuples(dist_pool) -> None:
+    results = dist_pool(3).run(check_full_state_dicts_of_odd_states)
+    assert sum(r["one_element_parts"] for r in results) > 0, results  # the case that made ranks disagree
+    for result in results:
+        assert result["momentum"] <= 1e-6 and result["gains"], result  # vs single-process SGD, 2 steps
+        assert result["tagged"]["_extra_state"] == Tagged.Meta(2, 0.5), result
 
 
 def check_full_parameters_kept_between_steps() -> dict:

@@ -75,20 +75,29 @@ class StateShard(torch.Tensor):
         return self._local
 
     def full_tensor(self) -> torch.Tensor:
-        """The whole tensor, on every rank: an all-gather over the shard group, as DTensor's ``full_tensor()``.
+        """The whole tensor, on every rank: gathered over the shard group, as DTensor's ``full_tensor()``.
 
-        A collective: every rank of the shard group calls it, in the same order.
+        A collective: every rank of the shard group calls it, in the same order. A tensor one
+        rank holds whole is broadcast from it; a split one is all-gathered in parts padded to
+        the longest (each rank sends its part once). On NCCL a CPU part travels through a CUDA copy.
         """
-        ranges = self._shard.rank_ranges
-        longest = max(end - start for start, end in ranges)
-        padded = self._local.new_zeros(longest)
-        padded[: self._local.numel()] = self._local
-        gathered = self._local.new_empty(longest * len(ranges))
-        dist.all_gather_into_tensor(gathered, padded, group=self._shard.process_group)
-        full = self._local.new_empty(self._shard.numel)
-        for rank, (start, end) in enumerate(ranges):
-            full[start:end] = gathered[rank * longest : rank * longest + end - start]
-        return full.view(self._shard.global_shape)
+        shard, group = self._shard, self._shard.process_group
+        device = _collective_device(group, self._local.device)
+        local = self._local.to(device)
+        owner = shard.owner()
+        if owner is not None:
+            full = local.clone() if shard.rank == owner else local.new_empty(shard.numel)
+            dist.broadcast(full, src=dist.get_global_rank(group, owner) if group is not None else owner, group=group)
+        else:
+            longest = max(end - start for start, end in shard.rank_ranges)
+            padded = local.new_zeros(longest)
+            padded[: local.numel()] = local
+            gathered = local.new_empty(longest * shard.world_size)
+            dist.all_gather_into_tensor(gathered, padded, group=group)
+            full = local.new_empty(shard.numel)
+            for rank, (start, end) in enumerate(shard.rank_ranges):
+                full[start:end] = gathered[rank * longest : rank * longest + end - start]
+        return full.to(self._local.device).view(shard.global_shape)
 
     def __repr__(self) -> str:  # type: ignore[override]
         return (
@@ -181,7 +190,13 @@ def _equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     same = torch.equal(a._local, b._local)
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return same
-    nccl = dist.get_backend(group) == "nccl"  # its collectives take CUDA tensors only, a CPU copy's flag too
-    flag = torch.tensor([int(same)], device=torch.device("cuda", torch.cuda.current_device()) if nccl else "cpu")
+    flag = torch.tensor([int(same)], device=_collective_device(group, torch.device("cpu")))
     dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
     return bool(flag.item())
+
+
+def _collective_device(group: Any, device: torch.device) -> torch.device:
+    """Where a tensor on ``device`` goes for a collective of ``group``: NCCL takes CUDA tensors only."""
+    if dist.get_backend(group) == "nccl" and device.type != "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return device

@@ -3,23 +3,30 @@
 torch gathers the DTensors of a state dict there (``_gather_state_dict``, called from
 ``_maybe_full_or_cpu_state_dict``, where both calls end). A StateShard is no DTensor, so it came
 back as it was, and using it raised. Once a model is sharded, that step first turns each
-StateShard into its full tensor, one at a time and in the state dict's order (the same on every
-rank): under ``cpu_offload`` each goes to CPU right after its gather, so the device holds one
-full tensor at a time, and only rank 0 keeps it, as torch keeps rank 0's only then. torch's
-own function then does the rest on plain tensors.
+StateShard into its full tensor (``StateShard.full_tensor``), one at a time, in the state dict's
+order: under ``cpu_offload`` each goes to CPU right after its gather and only rank 0 keeps it,
+as torch keeps rank 0's only then, so the device holds one gathered tensor (and its gather
+buffer) at a time. torch's own function then does the rest on plain tensors.
+
+The ranks first agree on which entries to gather (one object all-gather of their paths): an
+optimizer state is taken for a per-element one by its size on each rank, and a state of one
+element (a custom optimizer's gain) beside a rank's one-element part would otherwise be a
+StateShard on that rank only, and the gathers would not match. An entry that is not a
+StateShard everywhere is the state as this rank holds it.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Iterator
 
-import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint.state_dict as torch_state_dict
 
 from lightning_ragged.engine.state_shard import StateShard
 
 _TORCH_FULL_OR_CPU = torch_state_dict._maybe_full_or_cpu_state_dict
+
+Path = tuple[Any, ...]
 
 
 def route_full_state_dicts() -> None:
@@ -30,20 +37,45 @@ def route_full_state_dicts() -> None:
 
 def _full_or_cpu_state_dict(state_dict: dict[str, Any], info: Any) -> dict[str, Any]:
     if info.full_state_dict:
+        everywhere = set(path for path, _ in _state_shards(state_dict, ()))
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            paths: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(paths, sorted(everywhere, key=repr))
+            everywhere = set.intersection(*(set(p) for p in paths))
         keep = not (info.cpu_offload and dist.is_initialized()) or dist.get_rank() == 0
-        state_dict = _gathered(state_dict, info.cpu_offload, keep)
+        state_dict = _gathered(state_dict, (), everywhere, info.cpu_offload, keep)
     return _TORCH_FULL_OR_CPU(state_dict, info)
 
 
-def _gathered(value: Any, cpu_offload: bool, keep: bool) -> Any:
-    """``value`` with every StateShard inside replaced by its full tensor (None where this rank keeps nothing)."""
+def _state_shards(value: Any, path: Path) -> Iterator[tuple[Path, StateShard]]:
     if isinstance(value, StateShard):
+        yield path, value
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            yield from _state_shards(item, path + (key,))
+    elif isinstance(value, (list, tuple)):
+        for index, item in enumerate(value):
+            yield from _state_shards(item, path + (index,))
+
+
+def _gathered(value: Any, path: Path, everywhere: set[Path], cpu_offload: bool, keep: bool) -> Any:
+    """``value`` with each StateShard inside as its full tensor (None where this rank keeps nothing).
+
+    Containers holding none are returned as they are (a namedtuple stays one).
+    """
+    if isinstance(value, StateShard):
+        if path not in everywhere:
+            return value.local
         full = value.full_tensor()
         if not keep:
             return None
         return full.to("cpu") if cpu_offload else full
     if isinstance(value, dict):
-        return {key: _gathered(item, cpu_offload, keep) for key, item in value.items()}
+        items = {key: _gathered(item, path + (key,), everywhere, cpu_offload, keep) for key, item in value.items()}
+        return value if all(items[key] is value[key] for key in value) else items
     if isinstance(value, (list, tuple)):
-        return type(value)(_gathered(item, cpu_offload, keep) for item in value)
+        items = [_gathered(item, path + (index,), everywhere, cpu_offload, keep) for index, item in enumerate(value)]
+        if all(new is old for new, old in zip(items, value)):
+            return value
+        return items if isinstance(value, list) else tuple(items)
     return value

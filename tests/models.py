@@ -71,3 +71,14 @@ def make_batches(steps: int, batch: int, seed: int = 1) -> torch.Tensor:
     """``steps`` global batches of token sequences: shape (steps, batch, SEQ + 1)."""
     generator = torch.Generator().manual_seed(seed)
     return torch.randint(0, VOCAB, (steps, batch, SEQ + 1), generator=generator)
+
+
+def shard_grad_diff(sharded: nn.Module, reference: nn.Module) -> float:
+    """The largest difference between a shard's gradient and its range of the reference's full gradient."""
+    reference_grads = dict(reference.named_parameters())
+    worst = 0.0
+    for name, param in sharded.named_parameters():
+        start, end = param.ragged_shard.local_range
+        local = reference_grads[name].grad.reshape(-1)[start:end]
+        worst = max(worst, (param.grad - local).abs().max().item() if end > start else 0.0)
+    return worst

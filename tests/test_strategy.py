@@ -116,7 +116,7 @@ def _clip_against_torch(max_norm: float, norm_type: float) -> dict[str, float]:
     import torch.distributed as dist
 
     from lightning_ragged import clip_grad_norm_, fully_shard
-    from tests.models import lm_loss, make_batches, make_model
+    from tests.models import lm_loss, make_batches, make_model, shard_grad_diff
 
     rank, world = dist.get_rank(), dist.get_world_size()
     reference, sharded = make_model(0), fully_shard(make_model(0))
@@ -126,12 +126,7 @@ def _clip_against_torch(max_norm: float, norm_type: float) -> dict[str, float]:
     unclipped = clip_grad_norm_(list(sharded.parameters()), 1e9, norm_type)  # the per-parameter path, no clipping
     expected = torch.nn.utils.clip_grad_norm_(reference.parameters(), max_norm, norm_type)
     total = clip_grad_norm_(sharded, max_norm, norm_type)
-    reference_grads = dict(reference.named_parameters())
-    grad_diff = 0.0
-    for name, param in sharded.named_parameters():
-        start, end = param.ragged_shard.local_range
-        local = reference_grads[name].grad.reshape(-1)[start:end]
-        grad_diff = max(grad_diff, (param.grad - local).abs().max().item() if end > start else 0.0)
+    grad_diff = shard_grad_diff(sharded, reference)
     return {
         "norm_diff": abs(total.item() - expected.item()),
         "params_path_norm_diff": abs(unclipped.item() - expected.item()),

@@ -15,7 +15,7 @@ from torch.distributed.tensor.debug import CommDebugMode
 from torch.nn.utils import clip_grad_norm_  # bound by name before any model is sharded, as scripts do
 
 import lightning_ragged as lr
-from tests.models import lm_loss, make_batches, make_model
+from tests.models import lm_loss, make_batches, make_model, shard_grad_diff
 
 MAX_NORM = 0.05  # below every step's norm here: each step is clipped
 STEPS = 3
@@ -70,12 +70,7 @@ def _torchtitan_pattern() -> dict[str, float]:
     with CommDebugMode() as plain_comms:  # a model nobody sharded: torch's own function, no collective
         plain_total = torch.nn.utils.get_total_norm([p.grad for p in plain.parameters()])
     plain_oracle = torch.cat([p.grad.reshape(-1) for p in plain.parameters()]).norm()
-    reference_grads = dict(reference.named_parameters())
-    grad_diff = 0.0
-    for name, param in sharded.named_parameters():
-        start, end = param.ragged_shard.local_range
-        local = reference_grads[name].grad.reshape(-1)[start:end]
-        grad_diff = max(grad_diff, (param.grad - local).abs().max().item() if end > start else 0.0)
+    grad_diff = shard_grad_diff(sharded, reference)
     return {
         "norm_diff": abs(total.item() - expected.item()) / expected.item(),
         "grad_diff": grad_diff,

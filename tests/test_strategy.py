@@ -143,6 +143,44 @@ def test_clip_grad_norm_is_the_global_norm(dist_pool, norm_type: float) -> None:
         assert result["grad_diff"] <= 1e-6, result
 
 
+def _clip_one_optimizer_after_toggle() -> dict[str, float]:
+    """Lightning's GAN pattern: both halves get gradients, ``toggle_optimizer(opt_d)`` freezes the generator (its
+    gradients stay), ``opt_d.zero_grad()``, a second backward, ``clip_gradients(opt_d)``: only the discriminator's
+    gradients count and are scaled, as torch's clipping of ``opt_d``'s parameters in one process."""
+    import torch
+    import torch.distributed as dist
+
+    from lightning_ragged import fully_shard
+    from lightning_ragged.lightning.precision import RaggedPrecision
+    from tests.models import lm_loss, make_batches, make_model, shard_grad_diff
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    reference, sharded = make_model(0), fully_shard(make_model(0))
+    first, second = make_batches(2, 2 * world)
+    plugin = RaggedPrecision()
+    plugin.sharded_module = sharded
+    for net, local in ((reference, slice(None)), (sharded, slice(2 * rank, 2 * rank + 2))):
+        generator = [p for name, p in net.named_parameters() if not name.startswith("blocks.1.")]
+        discriminator = list(net.blocks[1].parameters())
+        opt_d = torch.optim.SGD(discriminator, lr=0.1)
+        lm_loss(net, first[local]).backward()
+        for param in generator:
+            param.requires_grad_(False)
+        opt_d.zero_grad()
+        lm_loss(net, second[local]).backward()
+        if net is sharded:
+            plugin.clip_grad_by_norm(opt_d, 0.05)
+        else:
+            expected = torch.nn.utils.clip_grad_norm_(discriminator, 0.05)
+    return {"grad_diff": shard_grad_diff(sharded, reference), "clipped": float(expected.item() > 0.05)}
+
+
+def test_clipping_one_optimizer_leaves_the_others_gradients(dist_pool) -> None:
+    for result in dist_pool(2).run(_clip_one_optimizer_after_toggle):
+        assert result["clipped"] == 1.0
+        assert result["grad_diff"] <= 1e-6, result
+
+
 def _meta_init_against_eager() -> dict[str, float]:
     import torch
     from torch import nn

@@ -41,12 +41,18 @@ class _RaggedClipping:
         clip_grad_value_(self._clip_target(optimizer), clip_val)
 
     def _clip_target(self, optimizer: Optimizer) -> Any:
+        """The module (one flat op per DBuffer) where that clips exactly ``optimizer``'s gradients, else its
+        parameters. The module's flat buffers hold every gradient of the module, frozen parameters' too:
+        after ``toggle_optimizer`` the other optimizer's parameters keep last step's gradients, which
+        clipping this optimizer must neither count nor scale (as DDP's clipping of its parameters)."""
         params = list(self.main_params(optimizer))  # type: ignore[attr-defined]
         module = self.sharded_module
         if module is not None:
-            trainable = {id(p) for p in module.parameters() if p.requires_grad}
-            if trainable == {id(p) for p in params}:
-                return module  # fast path: one flat op per DBuffer
+            ids = {id(p) for p in params}
+            in_module = {id(p) for p in module.parameters()}
+            with_grad = {id(p) for p in module.parameters() if p.grad is not None}
+            if with_grad <= ids <= in_module:
+                return module
         return params
 
     def mp_policy(self) -> Optional[MixedPrecisionPolicy]:

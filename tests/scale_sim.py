@@ -209,7 +209,7 @@ def simulate_model(preset: str) -> dict[str, Any]:
     ``fully_shard`` runs inside ``FakeTensorMode`` so its buffers are fake. The step runs
     outside it, on those fake tensors (their ops still go to the fake mode): the engine's
     end of backward reads its small "got a gradient" flags tensor on the host
-    (``runtime._settle_unused``: ``counts.tolist()``), which a fake tensor cannot do;
+    (``unused_grads.settle_unused``: ``counts.tolist()``), which a fake tensor cannot do;
     created outside the mode it is a real tensor, and the fake all-reduce leaves it as is.
     """
     from torch._subclasses.fake_tensor import FakeTensorMode

@@ -5,10 +5,9 @@ Per step (``reshard_after_forward=True``):
 root pre-forward   start the step: mirror ``requires_grad`` changes, recover from a step that
                    raised, begin recording the forward order, broadcast the buffers from rank 0
                    (``broadcast_buffers``, after a synchronized training forward, as DDP)
-group pre-forward  (a group of several blocks: its first block's) all-gather the group (or wait
-                   for its prefetch), prefetch the next group,
-                   and put an autograd node on the module's inputs whose backward runs when
-                   the module's whole backward is done (its *post-backward*)
+group pre-forward  (a group of several blocks: its first block's) all-gather the group (or wait for its
+                   prefetch), prefetch the next group, and put an autograd node on the module's inputs
+                   whose backward runs when the module's whole backward is done (its *post-backward*)
 group post-forward (its last block's) free the full parameters (or keep 1/int of them; ``keep_last_unsharded``: keep
                    the group the previous forward ran last, whose backward comes first); hook the outputs
 pre-backward       (first gradient reaching an output) all-gather again, prefetch the group that
@@ -42,6 +41,8 @@ from lightning_ragged.engine.collectives import CommStats
 from lightning_ragged.engine.containers import map_tensors, replace_tensors_requiring_grad, tensors_requiring_grad
 from lightning_ragged.engine.dbuffer import DBuffer
 from lightning_ragged.engine.shard_group import ShardGroup
+from lightning_ragged.engine.sharded_grad import run_post_accumulate_grad_hooks
+from lightning_ragged.engine.unused_grads import settle_unused
 from lightning_ragged.engine.streams import CommStreams, device_streams
 
 
@@ -73,12 +74,12 @@ class RaggedFSDPState:
         """``broadcast_buffers=True``: a ``state_sync.BufferSync`` run before root forwards (DDP's rule)."""
         self._buffers_need_sync = True
         """DDP's ``require_forward_param_sync``: the first forward, and one after a synchronized training forward."""
-        self._end_of_backward_hook = eager(self._end_of_backward)
+        self._end_of_backward_hook = eager(self._end_of_backward, backward=True)
         first = next(self.dbuffers(), None)
         self.comm_streams: CommStreams = device_streams(first.device if first is not None else None)
         """All-gather and reduce streams of the model's device (``streams.py``)."""
         self.set_comm_streams(self.comm_streams)
-        self._pre_backward_hooks = {id(g): eager(lambda _grads, g=g: self.pre_backward(g)) for g in groups}
+        self._pre_backward_hooks = {id(g): eager(lambda _, g=g: self.pre_backward(g), backward=True) for g in groups}
 
     @property
     def groups(self) -> list[ShardGroup]:
@@ -183,7 +184,7 @@ class RaggedFSDPState:
             return
         self._hooked.add(id(param))
         group = next(g for g in self.all_groups if dbuffer in g.dbuffers)
-        hook = eager(lambda _p: self.grad_arrived(group, dbuffer, name))
+        hook = eager(lambda _p: self.grad_arrived(group, dbuffer, name), backward=True)
         self.handles.append(param.register_post_accumulate_grad_hook(hook))
 
     # ---------------------------------------------------------------- forward
@@ -340,40 +341,12 @@ class RaggedFSDPState:
                 # run: a gather left pending would be used after the optimizer step, with the old values
                 group.reshard_after_backward_step()
         if self._reduced:
-            self._settle_unused()
+            settle_unused(self._reduced, self.stats, self._finish_in_flight)
         self._finish_in_flight()
-        self._reduced.clear()
+        reduced, self._reduced = self._reduced, []
         self._in_backward = False
-
-    def _settle_unused(self) -> None:
-        """One small all-reduce: a parameter that received no gradient on any rank keeps ``grad is None``.
-
-        Only a rank that missed a gradient itself reads the sums back; the others know the answer.
-
-        A single rank (a shard group of one, no HSDP) has no other rank to ask: its own flags are the answer.
-        """
-        flags = [flag for dbuffer in self._reduced for flag in dbuffer.used_flags()]
-        first = self._reduced[0]
-        if first.single_rank:
-            self._finish_in_flight()
-            used = flags
-        else:
-            counts = collectives.host_tensor(flags, torch.int32, first.device)  # NCCL serves device tensors only
-            pending = collectives.all_reduce(counts, first.process_group, async_op=True)
-            self._finish_in_flight()
-            pending.wait()
-            if first.replicate_group is not None:
-                collectives.all_reduce(counts, first.replicate_group)
-            self.stats.flag_syncs += 1
-            if all(flags):  # every count includes this rank's own 1: nothing to read back (a device sync on NCCL)
-                used = flags
-            else:
-                used = counts.tolist()
-                self.stats.flag_reads += 1
-        for dbuffer in self._reduced:
-            count = dbuffer.trainable_count
-            dbuffer.settle_unused([u > 0 for u in used[:count]])
-            used = used[count:]
+        for dbuffer in reduced:  # the gradients are final: optimizer-in-backward hooks may step and zero them
+            run_post_accumulate_grad_hooks(dbuffer.sharded_params.values())
 
     # ----------------------------------------------------------------- public
     def unshard(self, groups: list[ShardGroup], async_op: bool = False) -> "UnshardHandle":
@@ -395,13 +368,15 @@ def get_state(module: nn.Module) -> RaggedFSDPState:
     return state
 
 
-def eager(hook: Any) -> Any:
+def eager(hook: Any, backward: bool = False) -> Any:
     """Keep an engine hook out of ``torch.compile``'s graphs (it allocates, frees and issues collectives).
 
     Wrap the callable handed to torch, not the methods it calls: a closure defined here is
-    user code to Dynamo, which would trace it and break the graph at the disabled call.
+    user code to Dynamo, which would trace it and break the graph at the disabled call. ``backward``: a hook
+    autograd runs, under ``no_grad`` as FSDP2's reduction (``create_graph=True`` runs hooks with grad mode on;
+    the graph must not reach into the buffers: the sharded gradients come out detached, as FSDP2's).
     """
-    return torch.compiler.disable(hook, recursive=True)
+    return torch.compiler.disable(torch.no_grad()(hook) if backward else hook, recursive=True)
 
 
 def _cast_outputs(group: ShardGroup, output: Any) -> Any:
@@ -444,5 +419,6 @@ class _PostBackward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
-        ctx.state.post_backward(ctx.group)
+        with torch.no_grad():  # backward(create_graph=True) runs this with grad mode on (see ``eager``)
+            ctx.state.post_backward(ctx.group)
         return (None, None, *grads)

@@ -15,7 +15,7 @@ master dtype it is *adopted* as the sharded gradient, untouched: no copy, no sec
 from __future__ import annotations
 
 import weakref
-from typing import Mapping, Sequence
+from typing import Iterable, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -79,3 +79,14 @@ class ShardedGrad:
         for name, used in zip(trainable, used_anywhere):
             if not used and name in self.was_none:
                 params[name].grad = None
+
+
+def run_post_accumulate_grad_hooks(params: Iterable[nn.Parameter]) -> None:
+    """Call the hooks users registered with ``register_post_accumulate_grad_hook`` on the shards, as FSDP2 does
+    after its reduce-scatter: autograd never accumulates into a shard (the full parameters are in the graph), so
+    without this an optimizer stepped in backward (torch's "optimizer in backward" recipe) would never run.
+    Called once the reduced gradients are final (end of backward), for the trainable shards holding one."""
+    for param in params:
+        if param.requires_grad and param.grad is not None:
+            for hook in tuple((getattr(param, "_post_accumulate_grad_hooks", None) or {}).values()):
+                hook(param)

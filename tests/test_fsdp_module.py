@@ -139,6 +139,59 @@ def test_fsdp2_style_loop_with_module_methods_trains_exactly(dist_pool, world_si
         assert all(result["kept_unsharded"]) and not any(result["left"])
 
 
+def check_gradient_sync_per_module(target: str) -> dict:
+    """FSDP2's ``set_requires_gradient_sync`` is per module: off for ``blocks[0]`` (recurse) or for the root's own
+    parameters (``recurse=False``) on the first micro-batch, those accumulate unreduced (``grad is None``, as
+    FSDP2's), the rest is reduced at once (its gradients equal one process's on the global first micro-batch);
+    the second micro-batch, synchronized, reduces them all: the step equals one process's on the whole batch."""
+    from torch.distributed.fsdp import fully_shard as fsdp2_shard
+
+    data = make_batches(2, BATCH)
+    reference, model, fsdp2 = make_model(), lr.fully_shard(make_model()), make_model()
+    for block in fsdp2.blocks:
+        fsdp2_shard(block)
+    fsdp2_shard(fsdp2)
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (reference, model, fsdp2)]
+    first_diff, unreduced = 0.0, {}
+    for step in range(2):
+        local = _local(data[step])
+        first, second = local.chunk(2)
+        share = len(first) / len(local)
+        for net in (fsdp2, model):  # ours last: ``reduced`` holds its gradients after the first micro-batch
+            off = net.blocks[0].set_requires_gradient_sync if target == "block" else net.set_requires_gradient_sync
+            off(False) if target == "block" else off(False, recurse=False)
+            (lm_loss(net, first) * share).backward()
+            unreduced[net is model] = sorted(name for name, p in net.named_parameters() if p.grad is None)
+            reduced = {name: p.grad.clone() for name, p in net.named_parameters() if p.grad is not None}
+            net.set_requires_gradient_sync(True)
+            (lm_loss(net, second) * (1 - share)).backward()
+        firsts = torch.cat([part.chunk(2)[0] for part in data[step].chunk(dist.get_world_size())])
+        lm_loss(reference, firsts).backward()  # the ranks' first halves as one batch: what was reduced at once
+        references = dict(reference.named_parameters())
+        for name, param in model.named_parameters():
+            start, end = param.ragged_shard.local_range
+            if name in reduced and end > start:
+                expected = references[name].grad.reshape(-1)[start:end] * share
+                first_diff = max(first_diff, (reduced[name] - expected).abs().max().item())
+        reference.zero_grad()
+        lm_loss(reference, data[step]).backward()
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad()
+    full, expected = lr.full_state_dict(model), reference.state_dict()
+    return {"diff": max((full[k] - expected[k]).abs().max().item() for k in expected), "first_diff": first_diff,
+            "unreduced": unreduced[True], "fsdp2_unreduced": unreduced[False]}
+
+
+@pytest.mark.parametrize("target", ["block", "root-only"])
+def test_gradient_sync_is_set_per_module_as_fsdp2(dist_pool, target):
+    for result in dist_pool(2).run(check_gradient_sync_per_module, target):
+        expected = ["blocks.0."] if target == "block" else ["embed.", "norm.", "pos"]
+        assert result["unreduced"] == result["fsdp2_unreduced"], result
+        assert result["unreduced"] and all(n.startswith(tuple(expected)) for n in result["unreduced"]), result
+        assert result["first_diff"] <= 1e-6 and result["diff"] <= 1e-5, result
+
+
 def check_refuses_to_move_or_cast() -> dict:
     model = lr.fully_shard(make_model())
     with pytest.raises(RuntimeError, match=r"would unlink its parameters from their DBuffers.*before fully_shard"):

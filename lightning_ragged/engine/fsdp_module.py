@@ -58,11 +58,10 @@ class FSDPModule:
         self._ragged_fsdp_state.reshard(self._ragged_own_groups())
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
-        """Reduce gradients in the next backwards (True) or accumulate them locally with no collective.
-
-        The setting belongs to the whole sharded model (all groups reduce together).
-        """
-        self._ragged_fsdp_state.requires_gradient_sync = bool(requires_gradient_sync)
+        """Reduce gradients in the next backwards (True) or accumulate them locally with no collective, as FSDP2:
+        for this module's group and (``recurse``) the groups nested in it; the other groups keep theirs."""
+        for group in self._ragged_nested_groups() if recurse else self._ragged_own_groups():
+            group.requires_gradient_sync = bool(requires_gradient_sync)
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
         """Keep the full parameters after backward (False), e.g. across accumulation micro-batches."""

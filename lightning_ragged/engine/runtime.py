@@ -291,7 +291,11 @@ class RaggedFSDPState:
         depends on this rank's data: a parameter used on some ranks only reordered the ranks'
         collectives.)
         """
-        dbuffer.grad_arrived(name, accumulate=not self.requires_gradient_sync)
+        dbuffer.grad_arrived(name, accumulate=not self.syncs(group))
+
+    def syncs(self, group: ShardGroup) -> bool:
+        """Whether ``group`` reduces in this backward: the model's flag (``no_sync``) and the group's own."""
+        return self.requires_gradient_sync and group.requires_gradient_sync
 
     def post_backward(self, group: ShardGroup) -> None:
         """The module's backward is done: reduce its trainable DBuffers, then free its full parameters."""
@@ -308,7 +312,7 @@ class RaggedFSDPState:
             if dbuffer in self._reduced:
                 continue
             if dbuffer.has_unsharded_grad or (group.backward_prepared and dbuffer.trainable):
-                if self.requires_gradient_sync:
+                if self.syncs(group):
                     dbuffer.ensure_grad_buffer()
                     self._reduce(dbuffer)
                 elif not dbuffer.single_rank:  # every rank that ran the group holds its buffers, so which
@@ -333,7 +337,7 @@ class RaggedFSDPState:
         for group in self.all_groups:
             # a group with gradients from no_sync micro-batches is reduced by the synchronized backward even when
             # it did not run in it (DDP reduces every bucket): a block only an earlier micro-batch's branch used
-            accumulated = self.requires_gradient_sync and any(d.has_unsharded_grad for d in group.dbuffers)
+            accumulated = self.syncs(group) and any(d.has_unsharded_grad for d in group.dbuffers)
             if group.backward_prepared or group.forward_calls or accumulated:
                 self._finish_group(group)
             elif group.is_unsharded or group.unshard_pending:

@@ -46,6 +46,8 @@ class ShardGroup:
         self.is_root = is_root
         self.reshard_after_forward: bool | int = reshard_after_forward
         self.reshard_after_backward = True
+        self.requires_gradient_sync = True
+        """FSDP2's per-module flag (``set_requires_gradient_sync(..., recurse)``); reduced only with the model's too."""
         self.forward_prefetch: list[ShardGroup] | None = None
         """Groups to all-gather when this one's forward starts (None: the recorded order)."""
         self.backward_prefetch: list[ShardGroup] | None = None

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 import lightning_ragged as lr
-from tests.models import lm_loss, make_batches, make_model
+from tests.models import TinyLM, lm_loss, make_batches, make_model
 
 WORLD_SIZES = [2, 3]
 BATCH = 6  # global batch: divisible by 2 and 3 ranks
@@ -56,31 +56,60 @@ def test_backward_with_create_graph_matches_single_process(dist_pool, world_size
         assert result["diff"] <= 1e-5, result
 
 
-def check_optimizer_in_backward() -> dict:
-    """One AdamW per parameter, stepped and zeroed in its post-accumulate-grad hook; no optimizer.step()."""
-    data = make_batches(STEPS, BATCH)
-    reference, sharded = make_model(), lr.fully_shard(make_model())
-    calls = {"reference": 0, "sharded": 0}
-    for label, model in (("reference", reference), ("sharded", sharded)):
-        optimizers = {param: torch.optim.AdamW([param], lr=0.01) for param in model.parameters()}
+class _PosOnRequest(TinyLM):
+    """TinyLM whose positional table is used only while ``use_pos`` (a parameter used in some steps)."""
 
-        def hook(param: torch.Tensor, label: str = label, optimizers: dict = optimizers) -> None:
-            calls[label] += 1
+    use_pos = True
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens) + (self.pos[: tokens.shape[1]] if self.use_pos else 0)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+
+def check_optimizer_in_backward(variant: str) -> dict:
+    """One AdamW per parameter, stepped and zeroed in its post-accumulate-grad hook; no optimizer.step().
+    ``unused-later``: ``pos`` is used in the first step only and gradients are zeroed, not freed, so it keeps a
+    zero ``.grad`` it gets no gradient for (autograd calls no hook then); ``forward-in-hook``: one hook also runs
+    an evaluation forward (a metric) before later hooks step the root's parameters."""
+    data = make_batches(STEPS, BATCH)
+    torch.manual_seed(0)
+    reference = _PosOnRequest()
+    torch.manual_seed(0)
+    sharded = lr.fully_shard(_PosOnRequest())
+    calls: dict[str, list[str]] = {"reference": [], "sharded": []}
+    for label, model in (("reference", reference), ("sharded", sharded)):
+        optimizers = {param: torch.optim.AdamW([param], lr=0.01, weight_decay=0.1) for param in model.parameters()}
+        names = {param: name for name, param in model.named_parameters()}
+        probe = next(model.blocks[0].parameters())
+
+        def hook(param: torch.Tensor, label: str = label, optimizers: dict = optimizers, names: dict = names,
+                 probe: torch.Tensor = probe, model: torch.nn.Module = model) -> None:
+            calls[label].append(names[param])
+            if variant == "forward-in-hook" and param is probe:
+                with torch.no_grad():
+                    model(data[0][:2, :-1])
             optimizers[param].step()
-            optimizers[param].zero_grad()
+            optimizers[param].zero_grad(set_to_none=variant != "unused-later")
 
         for param in model.parameters():
             param.register_post_accumulate_grad_hook(hook)
     for step in range(STEPS):
+        for model in (reference, sharded):
+            model.use_pos = variant != "unused-later" or step == 0
         lm_loss(reference, data[step]).backward()
         lm_loss(sharded, _local(data[step])).backward()
     left = sum(p.grad is not None for p in sharded.parameters())
-    return {"diff": _params_diff(sharded, reference), **calls, "grads_left": left}
+    return {"diff": _params_diff(sharded, reference), "grads_left": left,
+            "calls": sorted(calls["sharded"]), "reference_calls": sorted(calls["reference"])}
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
-def test_optimizer_in_backward_hooks_match_single_process(dist_pool, world_size):
-    for result in dist_pool(world_size).run(check_optimizer_in_backward):
-        assert result["sharded"] == result["reference"] > 0, result
-        assert result["grads_left"] == 0, result  # every hook zeroed its gradient: none kept alive
+@pytest.mark.parametrize("variant", ["plain", "unused-later", "forward-in-hook"])
+def test_optimizer_in_backward_hooks_match_single_process(dist_pool, world_size, variant):
+    for result in dist_pool(world_size).run(check_optimizer_in_backward, variant):
+        assert result["calls"] == result["reference_calls"] and result["calls"], result
+        if variant != "unused-later":
+            assert result["grads_left"] == 0, result  # every hook freed its gradient: none kept alive
         assert result["diff"] <= 1e-5, result

@@ -147,7 +147,7 @@ def test_flags_must_be_bools(dist_pool) -> None:
 
 
 # ------------------------------------------------------------------------ broadcast_buffers
-def check_buffers_vs_ddp(broadcast: bool, steps: int = 4) -> dict:
+def check_buffers_vs_ddp(broadcast: bool, switch: str = "no_sync", steps: int = 4) -> dict:
     import copy
 
     import torch
@@ -170,6 +170,9 @@ def check_buffers_vs_ddp(broadcast: bool, steps: int = 4) -> dict:
         x, y = image_batch(100 * index + rank)  # each rank its own batch statistics
         for model, optimizer in zip((ddp, ragged), optimizers):
             context = (ddp.no_sync() if model is ddp else lr.no_sync(ragged)) if accumulate else _null()
+            if model is ragged and switch == "method":  # FSDP2's idiom instead of the context
+                context = _null()
+                ragged.set_requires_gradient_sync(not accumulate)
             with context:
                 F.cross_entropy(model(x), y).backward()
             if not accumulate:
@@ -210,8 +213,9 @@ def _null():
     return contextlib.nullcontext()
 
 
-def test_broadcast_buffers_matches_ddp_batchnorm_statistics(dist_pool) -> None:
-    results = dist_pool(2).run(check_buffers_vs_ddp, True)
+@pytest.mark.parametrize("switch", ["no_sync", "method"])
+def test_broadcast_buffers_matches_ddp_batchnorm_statistics(dist_pool, switch: str) -> None:
+    results = dist_pool(2).run(check_buffers_vs_ddp, True, switch)
     for result in results:
         assert result["params_vs_ddp"] <= 1e-5, result
         assert result["stats_vs_ddp"] <= 1e-5, result

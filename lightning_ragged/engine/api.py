@@ -432,8 +432,9 @@ def _install_hooks(state: RaggedFSDPState) -> None:
 
 
 def set_requires_gradient_sync(module: nn.Module, requires_gradient_sync: bool) -> None:
-    """Turn the gradient reduction off (accumulate gradients locally, in the reduce dtype) or back on."""
-    get_state(module).requires_gradient_sync = requires_gradient_sync
+    """Turn the gradient reduction off (accumulate gradients locally, in the reduce dtype) or back on: every group's."""
+    for group in get_state(module).all_groups:
+        group.requires_gradient_sync = bool(requires_gradient_sync)
 
 
 @contextlib.contextmanager

@@ -18,15 +18,12 @@ Three flat tensors laid out by the planner:
   under bf16-mixed, as FSDP2 holds gradients until its reduce-scatter), summed in the reduce
   dtype (``collectives.reduce``); ``no_sync`` micro-batches accumulate in the reduce dtype.
 
-Storage is freed and re-allocated with ``untyped_storage().resize_`` so the views (and
-tensors autograd saved) stay valid across reshard/unshard. Group-level work (zeroing,
-casting, scaling by 1/world) runs once on the flat tensors, never per parameter.
+Storage is freed and re-allocated with ``untyped_storage().resize_`` so the views (and tensors autograd
+saved) stay valid across reshard/unshard. Group-level work runs once on the flat tensors, never per parameter.
 
-A DBuffer whose parameters are all frozen (``requires_grad=False``) never allocates a
-gradient buffer and is never reduced; that is decided at every backward from the
-parameters' current flags (mirrored onto the full parameters before each forward call).
-Gradients follow DDP: a parameter no rank used in a backward keeps ``grad is None``;
-``no_sync`` micro-batches accumulate in the gradient buffer, in the reduce dtype.
+A DBuffer whose parameters are all frozen (``requires_grad=False``) never allocates a gradient buffer
+and is never reduced (decided at every backward from the parameters' current flags, mirrored onto the
+full parameters before each forward call). A parameter no rank used keeps ``grad is None`` (DDP).
 
 **A single rank** (``single_rank``: a shard group of one, no HSDP; HSDP keeps the full path):
 no collective, no copy. Without a cast or fp8 the full buffer *is* the segment (``full_is_shard``):
@@ -398,6 +395,9 @@ class DBuffer:
         """After the reduction: a parameter no rank used keeps ``grad is None`` (as DDP and FSDP2)."""
         self._grad.settle_unused(self.sharded_params, used_anywhere)
         self._used.clear()
+
+    def run_post_accumulate_grad_hooks(self) -> None:
+        self._grad.run_post_accumulate_grad_hooks(self.sharded_params)
 
     def reset(self) -> None:
         """Forget a step that failed (an exception in forward or backward): finish issued

@@ -41,7 +41,6 @@ from lightning_ragged.engine.collectives import CommStats
 from lightning_ragged.engine.containers import map_tensors, replace_tensors_requiring_grad, tensors_requiring_grad
 from lightning_ragged.engine.dbuffer import DBuffer
 from lightning_ragged.engine.shard_group import ShardGroup
-from lightning_ragged.engine.sharded_grad import run_post_accumulate_grad_hooks
 from lightning_ragged.engine.unused_grads import settle_unused
 from lightning_ragged.engine.streams import CommStreams, device_streams
 
@@ -142,7 +141,7 @@ class RaggedFSDPState:
             return
         self._root_depth = max(0, self._root_depth - 1)
         if self._root_depth == 0:
-            self._buffers_need_sync = torch.is_grad_enabled() and self.requires_gradient_sync
+            self._buffers_need_sync = torch.is_grad_enabled() and any(self.syncs(g) for g in self.all_groups)
         if self._root_depth == 0 and not torch.is_grad_enabled():  # evaluation: no backward will follow
             for group in self.all_groups:
                 group.reshard_after_backward_step()
@@ -349,8 +348,12 @@ class RaggedFSDPState:
         self._finish_in_flight()
         reduced, self._reduced = self._reduced, []
         self._in_backward = False
+        gathered = [group for group in self.all_groups if group.is_unsharded]
         for dbuffer in reduced:  # the gradients are final: optimizer-in-backward hooks may step and zero them
-            run_post_accumulate_grad_hooks(dbuffer.sharded_params.values())
+            dbuffer.run_post_accumulate_grad_hooks()
+        for group in self.all_groups:  # a forward in a hook (a metric) gathered these before the hooks stepped
+            if group not in gathered and (group.is_unsharded or group.unshard_pending):
+                group.reshard()
 
     # ----------------------------------------------------------------- public
     def unshard(self, groups: list[ShardGroup], async_op: bool = False) -> "UnshardHandle":

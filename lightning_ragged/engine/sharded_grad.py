@@ -15,7 +15,7 @@ master dtype it is *adopted* as the sharded gradient, untouched: no copy, no sec
 from __future__ import annotations
 
 import weakref
-from typing import Iterable, Mapping, Sequence
+from typing import Mapping, Sequence
 
 import torch
 from torch import nn
@@ -30,6 +30,8 @@ class ShardedGrad:
         self.numel, self.dtype, self.device = numel, dtype, device
         self.was_none: set[str] = set()
         """Shards whose ``.grad`` was None before the last write (a parameter no rank used keeps None)."""
+        self.used: set[str] = set()
+        """Trainable shards some rank got a gradient for since the reduction before the last (``settle_unused``)."""
         self._flat: weakref.ref[torch.Tensor] | None = None
 
     @property
@@ -76,17 +78,21 @@ class ShardedGrad:
     def settle_unused(self, params: Mapping[str, nn.Parameter], used_anywhere: Sequence[bool]) -> None:
         """Back to ``grad = None`` for each trainable shard (in order) that no rank used and that had none before."""
         trainable = [name for name, param in params.items() if param.requires_grad]
+        self.used = {name for name, used in zip(trainable, used_anywhere) if used}
         for name, used in zip(trainable, used_anywhere):
             if not used and name in self.was_none:
                 params[name].grad = None
 
-
-def run_post_accumulate_grad_hooks(params: Iterable[nn.Parameter]) -> None:
-    """Call the hooks users registered with ``register_post_accumulate_grad_hook`` on the shards, as FSDP2 does
-    after its reduce-scatter: autograd never accumulates into a shard (the full parameters are in the graph), so
-    without this an optimizer stepped in backward (torch's "optimizer in backward" recipe) would never run.
-    Called once the reduced gradients are final (end of backward), for the trainable shards holding one."""
-    for param in params:
-        if param.requires_grad and param.grad is not None:
+    def run_post_accumulate_grad_hooks(self, params: Mapping[str, nn.Parameter]) -> None:
+        """Call the hooks users registered with ``register_post_accumulate_grad_hook`` on the shards, as FSDP2
+        does after its reduce-scatter: autograd never accumulates into a shard (the full parameters are in the
+        graph), so without this an optimizer stepped in backward (torch's "optimizer in backward" recipe) would
+        never run. Called once the reduced gradients are final (end of backward), for the shards some rank got a
+        gradient for since the last reduction (as FSDP2 and autograd: a parameter keeping an old ``.grad``
+        it got no gradient for, a zero one included, is not called)."""
+        for name in [name for name in params if name in self.used]:
+            param = params[name]
+            if param.grad is None:  # an earlier hook zeroed it (one optimizer over several shards)
+                continue
             for hook in tuple((getattr(param, "_post_accumulate_grad_hooks", None) or {}).values()):
                 hook(param)

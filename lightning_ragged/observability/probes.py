@@ -235,7 +235,8 @@ class EngineProbe:
 
     def _grad_allocation_bytes(self, info: DBufferInfo) -> int:
         """What a gradient buffer allocation asks for: in the reduce dtype under ``no_sync``."""
-        if self.state.requires_gradient_sync:
+        group = next(group for group in self.state.all_groups if info.dbuffer in group.dbuffers)
+        if self.state.syncs(group):
             return info.grad_buffer_bytes
         return info.dbuffer.layout.buffer_numel * info.dbuffer.reduce_dtype.itemsize
 

@@ -108,3 +108,29 @@ def token_loader(samples: int, batch_size: int, seed: int = 1) -> DataLoader:
     starts = torch.randint(0, VOCAB, (samples, 1), generator=generator)
     tokens = (starts + torch.arange(SEQ + 1)) % VOCAB
     return DataLoader(TensorDataset(tokens), batch_size=batch_size, shuffle=False)
+
+
+class LitRegression(L.LightningModule):
+    """Float features and float targets (a regression); records the dtypes ``training_step`` receives."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 1))
+        self.batch_dtypes: list[tuple[str, str]] = []
+        self.losses: list[float] = []
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        self.batch_dtypes.append((str(x.dtype), str(y.dtype)))
+        loss = F.mse_loss(self.model(x).float(), y)
+        self.losses.append(loss.item())
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def regression_loader(samples: int, batch_size: int, seed: int = 1) -> DataLoader:
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(samples, 4, generator=generator)
+    return DataLoader(TensorDataset(x, x.sum(1, keepdim=True).sin()), batch_size=batch_size, shuffle=False)

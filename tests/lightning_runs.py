@@ -30,7 +30,9 @@ from lightning.pytorch.callbacks import Callback  # noqa: E402
 
 import lightning_ragged  # noqa: E402,F401  (registers "ragged_fsdp")
 from lightning_ragged import RaggedFSDPStrategy, full_state_dict, get_state  # noqa: E402
-from tests.lightning_models import LitTinyGPT, cpu_trainer, token_loader  # noqa: E402
+from tests.lightning_models import (  # noqa: E402
+    LitRegression, LitTinyGPT, cpu_trainer, regression_loader, token_loader,
+)
 
 warnings.filterwarnings("ignore")
 BATCH = 4  # per rank
@@ -211,6 +213,13 @@ def main_mode(results: dict) -> None:
     results["bf16_mixed_dtypes"] = sorted({
         f"{dbuffer.master_dtype}/{dbuffer.param_dtype}/{dbuffer.reduce_dtype}" for dbuffer in state.dbuffers()
     })
+    # bf16-mixed leaves the batch as DDP's autocast does: float targets reach training_step in fp32.
+    for name in ("ddp", "ragged_fsdp"):
+        L.seed_everything(0, verbose=False)
+        regression = LitRegression()
+        make_trainer(name, 2, 3, precision="bf16-mixed").fit(regression, regression_loader(6 * 2 * BATCH, BATCH))
+        results[f"bf16_mixed_batch_dtypes_{name}"] = sorted(set(regression.batch_dtypes))
+        results[f"bf16_mixed_regression_losses_{name}"] = regression.losses
     _, half = fit("ragged_fsdp", steps=16, precision="bf16-true")
     results["bf16_true_losses"] = half.losses
     results["bf16_true_dtypes"] = sorted({str(p.dtype) for p in half.parameters()})

@@ -333,6 +333,14 @@ def test_bf16_mixed_and_bf16_true_train(main_run: dict) -> None:
     assert main_run["bf16_mixed_dtypes"] == ["torch.float32/torch.bfloat16/torch.float32"]
     assert _falls(main_run["bf16_true_losses"]), main_run["bf16_true_losses"]
     assert main_run["bf16_true_dtypes"] == ["torch.bfloat16"]
+    # The batch is not cast (the root is the LightningModule): float targets arrive in fp32, as under DDP.
+    assert main_run["bf16_mixed_batch_dtypes_ragged_fsdp"] == main_run["bf16_mixed_batch_dtypes_ddp"] == [
+        ["torch.float32", "torch.float32"]
+    ]
+    ddp_losses, ragged_losses = (main_run[f"bf16_mixed_regression_losses_{n}"] for n in ("ddp", "ragged_fsdp"))
+    assert len(ddp_losses) == len(ragged_losses) == 3
+    # bf16 compute differs from DDP's autocast by rounding only (FSDP2 casts the weights, autocast the matmuls)
+    assert max(abs(a - b) for a, b in zip(ddp_losses, ragged_losses)) <= 0.02, (ddp_losses, ragged_losses)
 
 
 def test_meta_device_init_equals_eager_init(main_run: dict) -> None:

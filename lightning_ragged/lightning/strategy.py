@@ -458,6 +458,12 @@ class RaggedFSDPStrategy(ParallelStrategy):
             broadcast_buffers=self.broadcast_buffers,
             **self._engine_kwargs,
         )
+        policy = self.precision_plugin.mp_policy()
+        if policy is not None and policy.cast_forward_inputs:
+            # The root is the LightningModule: its inputs are the whole batch, targets included, which DDP (and
+            # FSDP2 on the inner model) leave in fp32. Lightning's autocast covers fp32 inputs meeting bf16
+            # weights there; the groups inside still cast their inputs, as FSDP2's sharded modules do.
+            get_state(model).root_group.mp_policy = dataclasses.replace(policy, cast_forward_inputs=False)
         if on_meta:
             materialize_meta_module(model, self.root_device)
         return model

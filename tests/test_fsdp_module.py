@@ -64,13 +64,15 @@ def test_flight_recorder_names_the_smaller_group_re_gathers(dist_pool):
 def check_reshard_after_forward_values() -> dict:
     state = lr.get_state(lr.fully_shard(make_model(), reshard_after_forward=2))  # = world size: True
     keep = lr.get_state(lr.fully_shard(make_model(), reshard_after_forward=1))  # = False
-    with pytest.raises(ValueError, match="reshard_after_forward=3 must be a bool or an int that divides"):
+    default = lr.get_state(lr.fully_shard(make_model(), reshard_after_forward=None))  # FSDP2's default: True
+    with pytest.raises(ValueError, match="reshard_after_forward=3 must be a bool, None .* or an int that divides"):
         lr.fully_shard(make_model(), reshard_after_forward=3)
-    return {"two": state.groups[0].reshard_after_forward, "one": keep.groups[0].reshard_after_forward}
+    return {"two": state.groups[0].reshard_after_forward, "one": keep.groups[0].reshard_after_forward,
+            "none": default.groups[0].reshard_after_forward}
 
 
 def test_reshard_after_forward_int_edge_values(dist_pool):
-    assert dist_pool(2).run(check_reshard_after_forward_values)[0] == {"two": True, "one": False}
+    assert dist_pool(2).run(check_reshard_after_forward_values)[0] == {"two": True, "one": False, "none": True}
 
 
 def check_module_methods() -> dict:
@@ -190,6 +192,69 @@ def test_gradient_sync_is_set_per_module_as_fsdp2(dist_pool, target):
         assert result["unreduced"] == result["fsdp2_unreduced"], result
         assert result["unreduced"] and all(n.startswith(tuple(expected)) for n in result["unreduced"]), result
         assert result["first_diff"] <= 1e-6 and result["diff"] <= 1e-5, result
+
+
+def check_fsdp2_arguments(mesh_shape: tuple[int, ...]) -> dict:
+    """FSDP2's arguments: a ``mesh`` (1-D: shard over it; 2-D: replicate over dim 0, shard over dim 1) with
+    ``reshard_after_forward=None`` and the no-op ``offload_policy`` / ``ignored_params`` train as one process; the
+    ones not implemented are refused by name."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
+
+    mesh = init_device_mesh("cpu", mesh_shape)
+    given = {"mesh": mesh, "reshard_after_forward": None, "offload_policy": OffloadPolicy(), "ignored_params": set()}
+    trained = check_training_matches_single_process(given)
+    dbuffer = next(lr.get_state(lr.fully_shard(make_model(), mesh=mesh)).dbuffers())
+    refusals = {}
+    for name, value in (("offload_policy", CPUOffloadPolicy()), ("ignored_params", {nn.Parameter(torch.ones(1))}),
+                        ("shard_placement_fn", lambda param: None), ("process_group", dist.group.WORLD)):
+        try:
+            lr.fully_shard(make_model(), **{name: value, "mesh": mesh} if name == "process_group" else {name: value})
+            refusals[name] = None
+        except ValueError as error:
+            refusals[name] = str(error)
+    return {"diff": trained["max_diff"], "shard_world": dbuffer.world_size,
+            "replicas": 1 if dbuffer.replicate_group is None else dist.get_world_size(dbuffer.replicate_group),
+            "refusals": refusals}
+
+
+@pytest.mark.parametrize("mesh_shape", [(2,), (2, 1), (1, 2)])
+def test_fsdp2_mesh_and_arguments(dist_pool, mesh_shape):
+    for result in dist_pool(2).run(check_fsdp2_arguments, mesh_shape):
+        assert result["diff"] <= 1e-5, result
+        assert result["shard_world"] == mesh_shape[-1], result
+        assert result["replicas"] == (mesh_shape[0] if len(mesh_shape) == 2 else 1), result
+        refusals = result["refusals"]
+        assert "offload_policy=CPUOffloadPolicy" in refusals["offload_policy"], refusals
+        assert "ignored_params" in refusals["ignored_params"] and "requires_grad=False" in refusals["ignored_params"]
+        assert "shard_granularity" in refusals["shard_placement_fn"], refusals
+        assert "not both" in refusals["process_group"], refusals
+
+
+def check_fsdp2_method_names() -> dict:
+    """Every public method of torch's FSDPModule exists on ours: implemented, accepted as a no-op where nothing
+    is needed, or refused with the reason (never an AttributeError)."""
+    from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
+
+    model = lr.fully_shard(make_model())
+    wanted = {name for name in dir(TorchFSDPModule) if not name.startswith("_") and callable(getattr(TorchFSDPModule,
+                                                                                                      name))}
+    missing = sorted(name for name in wanted if not callable(getattr(model, name, None)))
+    model.set_is_last_backward(True)
+    model.set_post_optim_event(None)
+    lm_loss(model, _local(make_batches(1, BATCH)[0]))  # a forward left without its backward
+    model.reset_iter_state()
+    with pytest.raises(RuntimeError, match="root module"):
+        model.blocks[0].reset_iter_state()
+    with pytest.raises(NotImplementedError, match="set_gradient_divide_factor.*averaged"):
+        model.set_gradient_divide_factor(2.0)
+    left = [dbuffer.is_unsharded for dbuffer in lr.get_state(model).dbuffers()]
+    return {"missing": missing, "left_unsharded": left}
+
+
+def test_every_fsdp2_module_method_exists(dist_pool):
+    for result in dist_pool(2).run(check_fsdp2_method_names):
+        assert result["missing"] == [] and not any(result["left_unsharded"]), result
 
 
 def check_refuses_to_move_or_cast() -> dict:

@@ -314,3 +314,12 @@ def test_monitor_bounds_are_validated(knob, value) -> None:
 
     with pytest.raises(ValueError, match=knob):
         Monitor(None, **{knob: value})
+
+
+@pytest.mark.parametrize("name, fix", [
+    ("mesh", "replicate_degree"), ("offload_policy", "stay on the device"),
+    ("ignored_params", "requires_grad=False"), ("shard_placement_fn", "shard_granularity"),
+])
+def test_fsdp2_arguments_the_strategy_cannot_take_are_refused_in_its_constructor(name: str, fix: str) -> None:
+    with pytest.raises(TypeError, match=rf"{name}=.*not a strategy argument.*{fix}"):
+        _strategy(**{name: object()})

@@ -31,6 +31,7 @@ from lightning_ragged.engine.checks import check_flag
 from lightning_ragged.engine.collectives import CommStats
 from lightning_ragged.engine.dbuffer import DBuffer
 from lightning_ragged.engine.fp8_gather import Float8AllGather, Fp8Gather, fp8_param_ids, tile_granularity
+from lightning_ragged.engine.fsdp2_args import check_reshard_after_forward, check_unsupported, groups_of_mesh
 from lightning_ragged.engine.fsdp_module import make_fsdp_module, make_save_pretrained_gather, mark_managed
 from lightning_ragged.layout.auto import AutoPlan
 from lightning_ragged.layout.granularity import GranularityPolicy, resolve_granularity
@@ -57,7 +58,7 @@ def fully_shard(
     block_rows: int = 128,
     dbuffer_size: int = DEFAULT_DBUFFER_SIZE,
     planning_algorithm: str = "optimal",
-    reshard_after_forward: bool | int = True,
+    reshard_after_forward: bool | int | None = True,
     mp_policy: MixedPrecisionPolicy | None = None,
     group_modules: Sequence[GroupSpec] | None = None,
     blocks_per_group: int = 1,
@@ -73,6 +74,10 @@ def fully_shard(
     max_inflight_all_gathers: int = 1,
     keep_cast_shard: bool = False,
     fp8_all_gather: Float8AllGather | None = None,
+    mesh: Any = None,
+    offload_policy: Any = None,
+    ignored_params: set[nn.Parameter] | None = None,
+    shard_placement_fn: Callable[..., Any] | None = None,
 ) -> nn.Module:
     """Shard ``module``'s parameters over ``process_group`` with ragged, structure-aware shards.
 
@@ -116,7 +121,9 @@ def fully_shard(
     On a single rank (a ``process_group`` of one rank and no ``replicate_group``, e.g. ``devices=1``)
     nothing is communicated or copied: the full parameters are the shards themselves (with a
     ``param_dtype``, their cast), the gradient buffer becomes the sharded gradient, and
-    ``get_state(m).stats`` counts no collective; fp8 all-gathers and HSDP keep their paths.
+    ``get_state(m).stats`` counts no collective; fp8 all-gathers and HSDP keep their paths. FSDP2's ``mesh``
+    (1-D, or 2-D HSDP: replicate, shard) gives the process groups; its ``reshard_after_forward=None`` is True;
+    ``offload_policy``, ``ignored_params`` and ``shard_placement_fn`` are refused with what to use (``fsdp2_args.py``).
     """
     existing = module.__dict__.get("_ragged_fsdp_state")
     if existing is not None:
@@ -127,8 +134,10 @@ def fully_shard(
         )
     if not dist.is_initialized():
         raise RuntimeError("fully_shard needs torch.distributed initialized (e.g. dist.init_process_group('gloo'))")
+    process_group, replicate_group = groups_of_mesh(mesh, process_group, replicate_group)
+    check_unsupported(offload_policy, ignored_params, shard_placement_fn)
     world_size = dist.get_world_size(process_group)
-    reshard_after_forward = _check_reshard_after_forward(reshard_after_forward, world_size)
+    reshard_after_forward = check_reshard_after_forward(reshard_after_forward, world_size)
     flags = (("sync_module_states", sync_module_states), ("broadcast_buffers", broadcast_buffers),
              ("keep_last_unsharded", keep_last_unsharded), ("keep_cast_shard", keep_cast_shard))
     for knob, flag in flags:
@@ -305,18 +314,6 @@ def auto_plan_for(
         memory_budget_bytes=memory_budget_bytes, granularity=granularity, block_rows=block_rows, alignment=unit,
         algorithm=algorithm, param_dtype=param_dtype, dbuffer_size=dbuffer_size, reduce_dtype=reduce_dtype,
     )
-
-
-def _check_reshard_after_forward(value: Any, world_size: int) -> bool | int:
-    """A bool, or an int dividing the world (1 means False: keep all; the world size means True)."""
-    if isinstance(value, bool):
-        return value
-    if not isinstance(value, int) or value < 1 or world_size % value:
-        raise ValueError(
-            f"reshard_after_forward={value!r} must be a bool or an int that divides the shard group's "
-            f"{world_size} ranks (e.g. the GPUs of one node)"
-        )
-    return False if value == 1 else True if value == world_size else value
 
 
 def _child_states(module: nn.Module) -> list[RaggedFSDPState]:

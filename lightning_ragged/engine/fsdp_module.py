@@ -99,6 +99,21 @@ class FSDPModule:
         for group in self._ragged_own_groups():
             setattr(group, attribute, targets)
 
+    def set_is_last_backward(self, is_last_backward: bool) -> None:
+        """Accepted for FSDP2's loops; nothing to do: every backward ends with its reductions finished."""
+
+    def set_post_optim_event(self, event: Any) -> None:
+        """Accepted for FSDP2's loops and not used: the all-gathers wait for all work queued before them
+        (the optimizer step included), which orders at least as much as waiting for ``event``."""
+
+    def reset_iter_state(self) -> None:
+        """FSDP2's recovery after a forward or backward raised: free what it allocated, drop gradients not yet
+        reduced (the next root forward does this by itself too). On the root module only, as FSDP2."""
+        state = self._ragged_fsdp_state
+        if state.root is not self:
+            raise RuntimeError(f"reset_iter_state() must be called on the root module ({type(state.root).__name__})")
+        state.recover()
+
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Any:
         # ``.to()``, ``.double()``, ``.half()``, ``.cuda()`` would give the module new tensors that
         # the DBuffers know nothing of: refuse a real move or cast instead of silently unlinking.
@@ -115,6 +130,39 @@ class FSDPModule:
                     "for a compute dtype"
                 )
         return super()._apply(fn, recurse)
+
+
+_DIVIDE = "gradients are averaged over the data-parallel ranks, as DDP's; scale the loss for another factor"
+NOT_IMPLEMENTED = {
+    "set_gradient_divide_factor": _DIVIDE,
+    "set_reduce_scatter_divide_factor": _DIVIDE,
+    "set_force_sum_reduction_for_comms": _DIVIDE,
+    "set_requires_all_reduce": "HSDP's replica all-reduce follows every reduction; turn both off together with "
+                               "set_requires_gradient_sync(False)",
+    "set_all_reduce_hook": "HSDP's replica all-reduce is the engine's own",
+    "set_custom_all_gather": "the all-gather writes each DBuffer in place (reduce_mode picks the reduction)",
+    "set_custom_reduce_scatter": "the reduction is chosen by fully_shard(..., reduce_mode=...)",
+    "set_reduce_scatter_unused_params": "every trainable DBuffer is reduced whole, unused parameters as zeros",
+    "set_reduce_scatter_max_input_buffers": "at most one reduction is in flight",
+    "set_separate_reduce_scatter_group": "reductions use the shard process group",
+    "set_unshard_in_backward": "a group's backward always re-gathers what it needs",
+    "set_symm_mem_for_comm": "collectives use the process group's own buffers",
+    "set_allocate_memory_from_process_group_for_comm": "collectives use the process group's own buffers",
+}
+"""FSDP2 module methods lightning_ragged does not implement, each with what it does instead."""
+
+
+def _not_implemented(name: str, reason: str) -> Callable[..., None]:
+    def method(self: Any, *args: Any, **kwargs: Any) -> None:
+        raise NotImplementedError(f"{name}() of torch's FSDP2 is not implemented by lightning_ragged: {reason}")
+
+    method.__name__ = name
+    method.__doc__ = f"Not implemented (FSDP2's): {reason}."
+    return method
+
+
+for _name, _reason in NOT_IMPLEMENTED.items():
+    setattr(FSDPModule, _name, _not_implemented(_name, _reason))
 
 
 def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:

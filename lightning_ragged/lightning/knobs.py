@@ -42,6 +42,13 @@ SET_BY_STRATEGY = {
     "replicate_group": "the strategy builds the process groups: use replicate_degree=... for HSDP",
     "mp_policy": "the strategy takes it from the precision: pass L.Trainer(precision='bf16-mixed') (or 'bf16-true')",
     "device": "the strategy places the shards on the Trainer's devices: pass L.Trainer(accelerator=..., devices=...)",
+    "mesh": "the strategy builds the process groups from the Trainer's devices and nodes: use replicate_degree=... "
+            "for HSDP",
+    "offload_policy": "CPU offloading is not supported: the shards and optimizer state stay on the device (shard "
+                      "over more ranks, or lightning_ragged.optim.AdamW8bit for smaller optimizer state)",
+    "ignored_params": "every parameter is sharded: freeze parameters instead (requires_grad=False)",
+    "shard_placement_fn": "shards follow shard_granularity: pass shard_granularity='row'/'block'/'matrix' or a "
+                          "callable (name, param) -> elements",
 }
 """Parameters of ``fully_shard`` the strategy passes itself (``**kwargs`` must not repeat them), with the fix."""
 
@@ -368,6 +375,16 @@ def _trainer_arguments() -> frozenset[str]:
 def _message(owner: str, name: str, value: Any, refused: _Refused) -> str:
     fix = f"; {refused.fix}" if refused.fix else ""
     return f"{owner}({name}={_REPR.repr(value)}): {refused.problem}{fix}"
+
+
+FSDP2_ONLY = ("mesh", "offload_policy", "ignored_params", "shard_placement_fn")
+"""``fully_shard``'s FSDP2 arguments: never the strategy's (``SET_BY_STRATEGY`` says why), but LightningCLI
+passes every ``fully_shard`` parameter it sees through ``**kwargs``, these at their default None."""
+
+
+def without_fsdp2_defaults(engine_kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """``engine_kwargs`` without the FSDP2-only arguments left at None (nothing asked for)."""
+    return {name: value for name, value in engine_kwargs.items() if not (name in FSDP2_ONLY and value is None)}
 
 
 def check_strategy_knobs(

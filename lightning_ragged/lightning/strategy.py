@@ -61,7 +61,7 @@ from lightning_ragged.engine.api import DEFAULT_DBUFFER_SIZE, auto_plan_for, ful
 from lightning_ragged.layout.granularity import GranularityPolicy
 from lightning_ragged.lightning.callbacks import add_metrics_callback
 from lightning_ragged.lightning.checkpoint_io import LightningCheckpointIO
-from lightning_ragged.lightning.knobs import check_strategy_knobs
+from lightning_ragged.lightning.knobs import check_strategy_knobs, without_fsdp2_defaults
 from lightning_ragged.engine.meta_init import has_meta_tensors, materialize_meta_module
 from lightning_ragged.engine.torch_state_dict import hook_optimizer
 from lightning_ragged.lightning.preemption import attach as attach_slurm_requeue
@@ -166,6 +166,7 @@ class RaggedFSDPStrategy(ParallelStrategy):
         **kwargs: Any,
     ) -> None:
         # Every knob and **kwargs key is checked here, before any process starts (knobs.py).
+        kwargs = without_fsdp2_defaults(kwargs)
         check_strategy_knobs(
             dict(
                 shard_granularity=shard_granularity, block_rows=block_rows, dbuffer_size=dbuffer_size,

@@ -1,0 +1,71 @@
+"""FSDP2's ``fully_shard`` arguments, as lightning_ragged takes them.
+
+Code written for torch's FSDP2 passes ``mesh=`` (a 1-D mesh: shard over it; 2-D: HSDP, replicate over
+dimension 0 and shard over dimension 1, FSDP2's convention) and ``reshard_after_forward=None`` (FSDP2's
+default: reshard every module but the root, which is what lightning_ragged's ``True`` does). The
+arguments FSDP2 has and lightning_ragged does not implement are refused by name, with what to use
+instead, rather than failing as an unexpected keyword or being ignored.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.distributed as dist
+from torch.distributed.fsdp import OffloadPolicy
+
+
+def groups_of_mesh(
+    mesh: Any, process_group: dist.ProcessGroup | None, replicate_group: dist.ProcessGroup | None
+) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:
+    """``(process_group, replicate_group)`` from FSDP2's ``mesh`` (or the ones given, without a mesh)."""
+    if mesh is None:
+        return process_group, replicate_group
+    if process_group is not None or replicate_group is not None:
+        raise ValueError("pass either mesh= (FSDP2's) or process_group= / replicate_group=, not both")
+    ndim = getattr(mesh, "ndim", None)
+    if ndim == 1:
+        return mesh.get_group(0), None
+    if ndim == 2:  # FSDP2's HSDP mesh: ("replicate", "shard")
+        return mesh.get_group(1), mesh.get_group(0)
+    raise ValueError(
+        f"mesh={mesh!r}: pass a 1-D DeviceMesh (shard over it) or a 2-D one (replicate over dim 0, shard over "
+        "dim 1, as FSDP2's HSDP); for other parallelisms slice the data-parallel dimensions (mesh['dp'])"
+    )
+
+
+def check_reshard_after_forward(value: Any, world_size: int) -> bool | int:
+    """A bool, or an int dividing the world (1 means False: keep all; the world size means True); None is
+    FSDP2's default, True here (the root group is kept for its backward either way)."""
+    if value is None:
+        return True
+    if isinstance(value, bool):
+        return value
+    if not isinstance(value, int) or value < 1 or world_size % value:
+        raise ValueError(
+            f"reshard_after_forward={value!r} must be a bool, None (FSDP2's default: True) or an int that divides "
+            f"the shard group's {world_size} ranks (e.g. the GPUs of one node)"
+        )
+    return False if value == 1 else True if value == world_size else value
+
+
+def check_unsupported(offload_policy: Any, ignored_params: Any, shard_placement_fn: Any) -> None:
+    """Refuse FSDP2's arguments that lightning_ragged does not implement (their no-op values pass)."""
+    if offload_policy is not None and type(offload_policy) is not OffloadPolicy:
+        raise ValueError(
+            f"offload_policy={offload_policy!r} is not supported: lightning_ragged keeps the shards and the "
+            "optimizer state on the device. To need less device memory shard over more ranks, keep "
+            "reshard_after_forward=True, or use fp8_all_gather / AdamW8bit (block-quantized optimizer state)"
+        )
+    if ignored_params:
+        raise ValueError(
+            f"ignored_params ({len(ignored_params)} parameters) is not supported: every parameter of the module "
+            "is sharded. Freeze them instead (requires_grad=False: sharded, never reduced), or keep them in a "
+            "module outside the one you shard"
+        )
+    if shard_placement_fn is not None:
+        raise ValueError(
+            "shard_placement_fn is not supported (FSDP2's Shard(dim) placements): lightning_ragged cuts each "
+            "parameter at multiples of its granularity; pass shard_granularity='row' / 'block' / 'matrix' or a "
+            "callable (name, param) -> elements"
+        )

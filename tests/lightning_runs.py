@@ -220,6 +220,8 @@ def main_mode(results: dict) -> None:
         make_trainer(name, 2, 3, precision="bf16-mixed").fit(regression, regression_loader(6 * 2 * BATCH, BATCH))
         results[f"bf16_mixed_batch_dtypes_{name}"] = sorted(set(regression.batch_dtypes))
         results[f"bf16_mixed_regression_losses_{name}"] = regression.losses
+        with torch.no_grad():  # outside Lightning's autocast (a callback, after fit): the owners of the weights cast
+            results[f"bf16_mixed_plain_forward_{name}"] = str(regression.model(torch.randn(2, 4)).dtype)
     _, half = fit("ragged_fsdp", steps=16, precision="bf16-true")
     results["bf16_true_losses"] = half.losses
     results["bf16_true_dtypes"] = sorted({str(p.dtype) for p in half.parameters()})

@@ -248,6 +248,10 @@ def check_fsdp2_method_names() -> dict:
         model.blocks[0].reset_iter_state()
     with pytest.raises(NotImplementedError, match="set_gradient_divide_factor.*averaged"):
         model.set_gradient_divide_factor(2.0)
+    model.set_requires_all_reduce(True)  # what the engine does anyway: accepted
+    model.set_unshard_in_backward(False)  # speed only: accepted
+    with pytest.raises(NotImplementedError, match=r"set_requires_all_reduce\(False\)"):
+        model.set_requires_all_reduce(False)
     left = [dbuffer.is_unsharded for dbuffer in lr.get_state(model).dbuffers()]
     return {"missing": missing, "left_unsharded": left}
 

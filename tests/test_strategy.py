@@ -337,6 +337,7 @@ def test_bf16_mixed_and_bf16_true_train(main_run: dict) -> None:
     assert main_run["bf16_mixed_batch_dtypes_ragged_fsdp"] == main_run["bf16_mixed_batch_dtypes_ddp"] == [
         ["torch.float32", "torch.float32"]
     ]
+    assert main_run["bf16_mixed_plain_forward_ragged_fsdp"] == "torch.bfloat16"  # and it ran, with no autocast
     ddp_losses, ragged_losses = (main_run[f"bf16_mixed_regression_losses_{n}"] for n in ("ddp", "ragged_fsdp"))
     assert len(ddp_losses) == len(ragged_losses) == 3
     # bf16 compute differs from DDP's autocast by rounding only (FSDP2 casts the weights, autocast the matmuls)

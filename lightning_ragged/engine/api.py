@@ -395,7 +395,9 @@ def _install_hooks(state: RaggedFSDPState) -> None:
 
     def root_pre_hook(_module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         state.root_pre_forward()
-        return state.pre_forward(root_group, args, kwargs) if root_group is not None else (args, kwargs)
+        if root_group is None:
+            return args, kwargs
+        return state.pre_forward(root_group, args, kwargs, cast=state.cast_root_inputs)
 
     def root_post_hook(_module: nn.Module, _args: tuple, output: Any) -> Any:
         try:

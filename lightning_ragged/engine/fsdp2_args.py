@@ -1,7 +1,8 @@
 """FSDP2's ``fully_shard`` arguments, as lightning_ragged takes them.
 
 Code written for torch's FSDP2 passes ``mesh=`` (a 1-D mesh: shard over it; 2-D: HSDP, replicate over
-dimension 0 and shard over dimension 1, FSDP2's convention) and ``reshard_after_forward=None`` (FSDP2's
+dimension 0 and shard over dimension 1, FSDP2's convention; only its process groups are taken, not its
+device: the shards live where the parameters are, or at ``device=``) and ``reshard_after_forward=None`` (FSDP2's
 default: reshard every module but the root, which is what lightning_ragged's ``True`` does). The
 arguments FSDP2 has and lightning_ragged does not implement are refused by name, with what to use
 instead, rather than failing as an unexpected keyword or being ignored.
@@ -26,8 +27,9 @@ def groups_of_mesh(
     ndim = getattr(mesh, "ndim", None)
     if ndim == 1:
         return mesh.get_group(0), None
-    if ndim == 2:  # FSDP2's HSDP mesh: ("replicate", "shard")
-        return mesh.get_group(1), mesh.get_group(0)
+    if ndim == 2:  # FSDP2's HSDP mesh: ("replicate", "shard"); one replica is plain sharding
+        replicate = mesh.get_group(0)
+        return mesh.get_group(1), replicate if dist.get_world_size(replicate) > 1 else None
     raise ValueError(
         f"mesh={mesh!r}: pass a 1-D DeviceMesh (shard over it) or a 2-D one (replicate over dim 0, shard over "
         "dim 1, as FSDP2's HSDP); for other parallelisms slice the data-parallel dimensions (mesh['dp'])"

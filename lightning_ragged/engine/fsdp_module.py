@@ -103,8 +103,11 @@ class FSDPModule:
         """Accepted for FSDP2's loops; nothing to do: every backward ends with its reductions finished."""
 
     def set_post_optim_event(self, event: Any) -> None:
-        """Accepted for FSDP2's loops and not used: the all-gathers wait for all work queued before them
-        (the optimizer step included), which orders at least as much as waiting for ``event``."""
+        """FSDP2's: the next all-gathers wait for ``event`` (an optimizer step on another stream). Here the current
+        stream waits for it at once, and the all-gathers wait for the current stream (``streams.py``): ordered
+        at least as FSDP2 orders them."""
+        if event is not None:
+            torch.accelerator.current_stream().wait_event(event)
 
     def reset_iter_state(self) -> None:
         """FSDP2's recovery after a forward or backward raised: free what it allocated, drop gradients not yet
@@ -132,37 +135,50 @@ class FSDPModule:
         return super()._apply(fn, recurse)
 
 
+def _any(*_args: Any, **_kwargs: Any) -> bool:
+    return True
+
+
+def _true(flag: Any = True, *_args: Any, **_kwargs: Any) -> bool:
+    return bool(flag)
+
+
 _DIVIDE = "gradients are averaged over the data-parallel ranks, as DDP's; scale the loss for another factor"
-NOT_IMPLEMENTED = {
-    "set_gradient_divide_factor": _DIVIDE,
-    "set_reduce_scatter_divide_factor": _DIVIDE,
-    "set_force_sum_reduction_for_comms": _DIVIDE,
-    "set_requires_all_reduce": "HSDP's replica all-reduce follows every reduction; turn both off together with "
-                               "set_requires_gradient_sync(False)",
-    "set_all_reduce_hook": "HSDP's replica all-reduce is the engine's own",
-    "set_custom_all_gather": "the all-gather writes each DBuffer in place (reduce_mode picks the reduction)",
-    "set_custom_reduce_scatter": "the reduction is chosen by fully_shard(..., reduce_mode=...)",
-    "set_reduce_scatter_unused_params": "every trainable DBuffer is reduced whole, unused parameters as zeros",
-    "set_reduce_scatter_max_input_buffers": "at most one reduction is in flight",
-    "set_separate_reduce_scatter_group": "reductions use the shard process group",
-    "set_unshard_in_backward": "a group's backward always re-gathers what it needs",
-    "set_symm_mem_for_comm": "collectives use the process group's own buffers",
-    "set_allocate_memory_from_process_group_for_comm": "collectives use the process group's own buffers",
+FSDP2_ONLY_METHODS: dict[str, tuple[Callable[..., bool] | None, str]] = {
+    "set_gradient_divide_factor": (None, _DIVIDE),
+    "set_reduce_scatter_divide_factor": (None, _DIVIDE),
+    "set_force_sum_reduction_for_comms": (_any, "the reduction's result is the average either way"),
+    "set_requires_all_reduce": (_true, "HSDP's replica all-reduce follows every reduction; turn both off with "
+                                       "set_requires_gradient_sync(False)"),
+    "set_all_reduce_hook": (None, "HSDP's replica all-reduce is the engine's own"),
+    "set_custom_all_gather": (None, "the all-gather writes each DBuffer in place"),
+    "set_custom_reduce_scatter": (None, "the reduction is chosen by fully_shard(..., reduce_mode=...)"),
+    "set_reduce_scatter_unused_params": (_true, "every trainable DBuffer is reduced whole, unused parameters as "
+                                                "zeros"),
+    "set_reduce_scatter_max_input_buffers": (_any, "at most one reduction is in flight"),
+    "set_separate_reduce_scatter_group": (_any, "reductions use the shard process group"),
+    "set_unshard_in_backward": (_any, "a group's backward re-gathers its parameters when its gradients need them"),
+    "set_symm_mem_for_comm": (_any, "collectives use the process group's own buffers"),
+    "set_allocate_memory_from_process_group_for_comm": (_any, "collectives use the process group's own buffers"),
 }
-"""FSDP2 module methods lightning_ragged does not implement, each with what it does instead."""
+"""FSDP2 module methods with no counterpart here: (which arguments are accepted as a no-op, None: none; what
+lightning_ragged does instead). Accepted values change only speed or are what the engine does anyway."""
 
 
-def _not_implemented(name: str, reason: str) -> Callable[..., None]:
+def _fsdp2_only(name: str, accepts: Callable[..., bool] | None, reason: str) -> Callable[..., None]:
     def method(self: Any, *args: Any, **kwargs: Any) -> None:
-        raise NotImplementedError(f"{name}() of torch's FSDP2 is not implemented by lightning_ragged: {reason}")
+        if accepts is None or not accepts(*args, **kwargs):
+            shown = ", ".join([*map(repr, args), *(f"{k}={v!r}" for k, v in kwargs.items())])
+            raise NotImplementedError(f"{name}({shown}) of torch's FSDP2 is not implemented by lightning_ragged: "
+                                      f"{reason}")
 
     method.__name__ = name
-    method.__doc__ = f"Not implemented (FSDP2's): {reason}."
+    method.__doc__ = f"FSDP2's; {'a no-op where ' + reason if accepts else 'not implemented: ' + reason}."
     return method
 
 
-for _name, _reason in NOT_IMPLEMENTED.items():
-    setattr(FSDPModule, _name, _not_implemented(_name, _reason))
+for _name, (_accepts, _reason) in FSDP2_ONLY_METHODS.items():
+    setattr(FSDPModule, _name, _fsdp2_only(_name, _accepts, _reason))
 
 
 def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:

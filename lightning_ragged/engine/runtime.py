@@ -53,6 +53,8 @@ class RaggedFSDPState:
         self.all_groups = groups
         self.stats = stats
         self.requires_gradient_sync = True
+        self.cast_root_inputs = True
+        """The root module's own forward casts its inputs (``mp_policy``); not the Lightning strategy's (a batch)."""
         self.keep_last_unsharded = False
         """Keep the group the last forward ran last unsharded until its backward, the first to need it."""
         self.max_inflight_all_gathers = 1
@@ -194,18 +196,18 @@ class RaggedFSDPState:
             for name, param in dbuffer.sync_requires_grad():
                 self.hook_grad(dbuffer, name, param)
 
-    def pre_forward(self, group: ShardGroup, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    def pre_forward(self, group: ShardGroup, args: tuple, kwargs: dict, cast: bool = True) -> tuple[tuple, dict]:
         if not self._in_backward:
             self._mirror_requires_grad(group)
             if group.is_root and group.is_unsharded and group.forward_calls:
-                return self._cast_inputs(group, args, kwargs)  # another module using a root parameter
+                return self._cast_inputs(group, args, kwargs, cast)  # another module using a root parameter
             if not group.is_root and group not in self.forward_order:
                 self.forward_order.append(group)
         group.use_unsharded()
         if self._in_backward:  # a recomputation (activation checkpointing) inside backward
-            return self._cast_inputs(group, args, kwargs)
+            return self._cast_inputs(group, args, kwargs, cast)
         self._prefetch(group, forward=True)
-        args, kwargs = self._cast_inputs(group, args, kwargs)
+        args, kwargs = self._cast_inputs(group, args, kwargs, cast)
         if torch.is_grad_enabled():
             group.forward_calls += 1
             if not group.is_root:
@@ -260,9 +262,9 @@ class RaggedFSDPState:
             if not target.backward_prepared and target is not group:
                 target.unshard(async_op=True)
 
-    def _cast_inputs(self, group: ShardGroup, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    def _cast_inputs(self, group: ShardGroup, args: tuple, kwargs: dict, cast: bool = True) -> tuple[tuple, dict]:
         policy = group.mp_policy
-        if policy is None or policy.param_dtype is None or not policy.cast_forward_inputs:
+        if not cast or policy is None or policy.param_dtype is None or not policy.cast_forward_inputs:
             return args, kwargs
 
         def cast(value: torch.Tensor) -> torch.Tensor:

@@ -459,12 +459,10 @@ class RaggedFSDPStrategy(ParallelStrategy):
             broadcast_buffers=self.broadcast_buffers,
             **self._engine_kwargs,
         )
-        policy = self.precision_plugin.mp_policy()
-        if policy is not None and policy.cast_forward_inputs:
-            # The root is the LightningModule: its inputs are the whole batch, targets included, which DDP (and
-            # FSDP2 on the inner model) leave in fp32. Lightning's autocast covers fp32 inputs meeting bf16
-            # weights there; the groups inside still cast their inputs, as FSDP2's sharded modules do.
-            get_state(model).root_group.mp_policy = dataclasses.replace(policy, cast_forward_inputs=False)
+        # The root is the LightningModule: its forward's inputs are the whole batch, targets included, which DDP
+        # (and FSDP2 on the inner model) leave in fp32. The modules owning root parameters and the groups inside
+        # still cast theirs, as FSDP2's sharded modules do (also outside Lightning's autocast, e.g. in callbacks).
+        get_state(model).cast_root_inputs = False
         if on_meta:
             materialize_meta_module(model, self.root_device)
         return model

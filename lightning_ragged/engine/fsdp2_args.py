@@ -51,23 +51,22 @@ def check_reshard_after_forward(value: Any, world_size: int) -> bool | int:
     return False if value == 1 else True if value == world_size else value
 
 
+UNSUPPORTED = {
+    "offload_policy": "CPU offloading is not supported: the shards and optimizer state stay on the device (shard "
+                      "over more ranks, or lightning_ragged.optim.AdamW8bit for smaller optimizer state)",
+    "ignored_params": "every parameter is sharded: freeze parameters instead (requires_grad=False: sharded, never "
+                      "reduced), or keep them in a module outside the one you shard",
+    "shard_placement_fn": "shards follow shard_granularity (FSDP2's Shard(dim) placements are not taken): pass "
+                          "shard_granularity='row'/'block'/'matrix' or a callable (name, param) -> elements",
+}
+"""FSDP2's arguments lightning_ragged does not implement, each with what to use instead (also the strategy's)."""
+
+
 def check_unsupported(offload_policy: Any, ignored_params: Any, shard_placement_fn: Any) -> None:
     """Refuse FSDP2's arguments that lightning_ragged does not implement (their no-op values pass)."""
     if offload_policy is not None and type(offload_policy) is not OffloadPolicy:
-        raise ValueError(
-            f"offload_policy={offload_policy!r} is not supported: lightning_ragged keeps the shards and the "
-            "optimizer state on the device. To need less device memory shard over more ranks, keep "
-            "reshard_after_forward=True, or use fp8_all_gather / AdamW8bit (block-quantized optimizer state)"
-        )
+        raise ValueError(f"offload_policy={offload_policy!r}: {UNSUPPORTED['offload_policy']}")
     if ignored_params:
-        raise ValueError(
-            f"ignored_params ({len(ignored_params)} parameters) is not supported: every parameter of the module "
-            "is sharded. Freeze them instead (requires_grad=False: sharded, never reduced), or keep them in a "
-            "module outside the one you shard"
-        )
+        raise ValueError(f"ignored_params ({len(ignored_params)} parameters): {UNSUPPORTED['ignored_params']}")
     if shard_placement_fn is not None:
-        raise ValueError(
-            "shard_placement_fn is not supported (FSDP2's Shard(dim) placements): lightning_ragged cuts each "
-            "parameter at multiples of its granularity; pass shard_granularity='row' / 'block' / 'matrix' or a "
-            "callable (name, param) -> elements"
-        )
+        raise ValueError(f"shard_placement_fn={shard_placement_fn!r}: {UNSUPPORTED['shard_placement_fn']}")

@@ -31,6 +31,7 @@ from torch import nn
 
 from lightning_ragged.engine.collectives import REDUCE_MODES
 from lightning_ragged.engine.api import fully_shard
+from lightning_ragged.engine.fsdp2_args import UNSUPPORTED
 from lightning_ragged.engine.fp8_gather import check_fp8_all_gather
 from lightning_ragged.layout.granularity import POLICIES, check_block_rows, check_policy
 from lightning_ragged.engine.grouping import _check_dbuffer_size
@@ -44,11 +45,7 @@ SET_BY_STRATEGY = {
     "device": "the strategy places the shards on the Trainer's devices: pass L.Trainer(accelerator=..., devices=...)",
     "mesh": "the strategy builds the process groups from the Trainer's devices and nodes: use replicate_degree=... "
             "for HSDP",
-    "offload_policy": "CPU offloading is not supported: the shards and optimizer state stay on the device (shard "
-                      "over more ranks, or lightning_ragged.optim.AdamW8bit for smaller optimizer state)",
-    "ignored_params": "every parameter is sharded: freeze parameters instead (requires_grad=False)",
-    "shard_placement_fn": "shards follow shard_granularity: pass shard_granularity='row'/'block'/'matrix' or a "
-                          "callable (name, param) -> elements",
+    **UNSUPPORTED,
 }
 """Parameters of ``fully_shard`` the strategy passes itself (``**kwargs`` must not repeat them), with the fix."""
 

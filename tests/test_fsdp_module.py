@@ -231,6 +231,54 @@ def test_fsdp2_mesh_and_arguments(dist_pool, mesh_shape):
         assert "not both" in refusals["process_group"], refusals
 
 
+def check_gradient_divide_factor(mesh_shape: tuple[int, ...]) -> dict:
+    """FSDP2's ``set_gradient_divide_factor`` is per module (its own group only): the root's parameters summed
+    (1.0), ``blocks[0]``'s divided by 3, ``blocks[1]``'s averaged. Two oracles: torch's FSDP2 with the same
+    factors (1-D mesh), and one process's gradients on the global batch times data-parallel size / factor."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard as fsdp2_shard
+
+    mesh = init_device_mesh("cpu", mesh_shape)
+    local = _local(make_batches(1, BATCH)[0])
+    reference, model = make_model(), lr.fully_shard(make_model(), mesh=mesh)
+    nets = [model]
+    if len(mesh_shape) == 1:
+        fsdp2 = make_model()
+        for block in fsdp2.blocks:
+            fsdp2_shard(block, mesh=mesh)
+        nets.append(fsdp2_shard(fsdp2, mesh=mesh))
+        for sharded in (fsdp2, *fsdp2.blocks):  # gloo has no PREMUL_SUM: FSDP2 sums, then divides
+            sharded.set_force_sum_reduction_for_comms(True)
+    for net in nets:
+        net.set_gradient_divide_factor(1.0)
+        net.blocks[0].set_reduce_scatter_divide_factor(3)  # FSDP2's older name
+        lm_loss(net, local).backward()
+    lm_loss(reference, make_batches(1, BATCH)[0]).backward()
+    factors = {"blocks.0.": 3.0, "blocks.1.": dist.get_world_size() / 1.0}
+    references, diff, fsdp2_diff = dict(reference.named_parameters()), 0.0, 0.0
+    for name, param in model.named_parameters():
+        factor = next((f for prefix, f in factors.items() if name.startswith(prefix)), 1.0)
+        expected = references[name].grad.reshape(-1) * dist.get_world_size() / factor
+        start, end = param.ragged_shard.local_range
+        diff = max(diff, (param.grad - expected[start:end]).abs().max().item() if end > start else 0.0)
+    if len(nets) == 2:
+        full = {name: p.grad.full_tensor() for name, p in nets[1].named_parameters()}
+        for name, param in model.named_parameters():
+            start, end = param.ragged_shard.local_range
+            if end > start:
+                fsdp2_diff = max(fsdp2_diff, (param.grad - full[name].reshape(-1)[start:end]).abs().max().item())
+    with pytest.raises(ValueError, match="positive number"):
+        model.set_gradient_divide_factor(0)
+    return {"diff": diff, "fsdp2_diff": fsdp2_diff, "compared_fsdp2": len(nets) == 2}
+
+
+@pytest.mark.parametrize("world_size, mesh_shape", [(2, (2,)), (3, (3,)), (2, (2, 1))])
+def test_gradient_divide_factor_per_module_as_fsdp2(dist_pool, world_size, mesh_shape):
+    for result in dist_pool(world_size).run(check_gradient_divide_factor, mesh_shape):
+        assert result["diff"] <= 1e-6 and result["fsdp2_diff"] <= 1e-6, result
+        assert result["compared_fsdp2"] == (len(mesh_shape) == 1), result
+
+
 def check_fsdp2_method_names() -> dict:
     """Every public method of torch's FSDPModule exists on ours: implemented, accepted as a no-op where nothing
     is needed, or refused with the reason (never an AttributeError)."""
@@ -246,8 +294,8 @@ def check_fsdp2_method_names() -> dict:
     model.reset_iter_state()
     with pytest.raises(RuntimeError, match="root module"):
         model.blocks[0].reset_iter_state()
-    with pytest.raises(NotImplementedError, match="set_gradient_divide_factor.*averaged"):
-        model.set_gradient_divide_factor(2.0)
+    with pytest.raises(NotImplementedError, match="set_custom_all_gather"):
+        model.set_custom_all_gather(None)
     model.set_requires_all_reduce(True)  # what the engine does anyway: accepted
     model.set_unshard_in_backward(False)  # speed only: accepted
     with pytest.raises(NotImplementedError, match=r"set_requires_all_reduce\(False\)"):

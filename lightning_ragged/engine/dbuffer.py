@@ -79,8 +79,9 @@ class DBuffer:
         self.layout = layout
         self.process_group = process_group
         self.replicate_group = replicate_group
-        self.rank = dist.get_rank(process_group)
-        self.world_size = dist.get_world_size(process_group)
+        self.rank, self.world_size = dist.get_rank(process_group), dist.get_world_size(process_group)
+        replicas = 1 if replicate_group is None else dist.get_world_size(replicate_group)
+        self.gradient_divide_factor = float(self.world_size * replicas)  # the reduced sum is divided by it (FSDP2's)
         self.single_rank = self.world_size == 1 and replicate_group is None  # no peer: nothing gathered or reduced
         if layout.world_size != self.world_size:
             raise ValueError(f"layout planned for {layout.world_size} ranks but the shard group has {self.world_size}")
@@ -368,7 +369,7 @@ class DBuffer:
         return self._pending_reduce is not None
 
     def finish_reduce(self) -> None:
-        """Wait for the reduction and write this rank's averaged segment into the sharded gradients."""
+        """Wait for the reduction; write this rank's segment over ``gradient_divide_factor`` into the sharded grads."""
         if self._pending_reduce is None:
             return
         observed(self, EventKind.REDUCE_WAITED, self.reduce_mode, self._finish_reduce)
@@ -378,8 +379,7 @@ class DBuffer:
         self._pending_reduce = None
         self.stats.reduce_seconds += pending.wait()
         own_segment = pending.keep_alive[1]
-        replicas = 1 if self.replicate_group is None else dist.get_world_size(self.replicate_group)
-        scale = 1.0 / (self.world_size * replicas)
+        scale = 1.0 / self.gradient_divide_factor
         adopted = self._grad.write(self.sharded_params, own_segment, scale, adoptable=self.single_rank)
         self.free_unsharded_grad(adopted=adopted)
 

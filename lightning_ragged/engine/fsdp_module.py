@@ -63,6 +63,19 @@ class FSDPModule:
         for group in self._ragged_nested_groups() if recurse else self._ragged_own_groups():
             group.requires_gradient_sync = bool(requires_gradient_sync)
 
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        """Divide the reduced gradient sum of this module's own group by ``factor`` instead of the data-parallel size
+        (the average, DDP's), as FSDP2's: ``1.0`` sums, e.g. for a loss summed over the global batch."""
+        if not isinstance(factor, (int, float)) or isinstance(factor, bool) or not factor > 0:
+            raise ValueError(f"set_gradient_divide_factor({factor!r}): pass a positive number (1.0: a plain sum)")
+        for group in self._ragged_own_groups():
+            for dbuffer in group.dbuffers:
+                dbuffer.gradient_divide_factor = float(factor)
+
+    def set_reduce_scatter_divide_factor(self, factor: float) -> None:
+        """FSDP2's older name of :meth:`set_gradient_divide_factor`."""
+        self.set_gradient_divide_factor(factor)
+
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
         """Keep the full parameters after backward (False), e.g. across accumulation micro-batches."""
         for group in self._ragged_nested_groups() if recurse else self._ragged_own_groups():
@@ -143,10 +156,7 @@ def _true(flag: Any = True, *_args: Any, **_kwargs: Any) -> bool:
     return bool(flag)
 
 
-_DIVIDE = "gradients are averaged over the data-parallel ranks, as DDP's; scale the loss for another factor"
 FSDP2_ONLY_METHODS: dict[str, tuple[Callable[..., bool] | None, str]] = {
-    "set_gradient_divide_factor": (None, _DIVIDE),
-    "set_reduce_scatter_divide_factor": (None, _DIVIDE),
     "set_force_sum_reduction_for_comms": (_any, "the reduction's result is the average either way"),
     "set_requires_all_reduce": (_true, "HSDP's replica all-reduce follows every reduction; turn both off with "
                                        "set_requires_gradient_sync(False)"),

@@ -5,7 +5,7 @@ Only those views hold it (the DBuffer keeps a weak reference), so that
 gradients: between steps a rank holds no gradient memory.
 
 Each reduction writes this rank's summed segment into it in one flat op: ``scale * segment``
-into a fresh tensor (the scaling by 1/world is the move itself, no extra copy), or added to
+into a fresh tensor (the scaling, 1/world or a divide factor, is the move itself), or added to
 the one still alive (a second backward without ``zero_grad``, as DDP accumulates). On a
 single rank (world size 1, no HSDP) the segment is the whole gradient buffer, a tensor of its
 own each backward, and the scale is 1: when every gradient is fresh and the buffer is in the

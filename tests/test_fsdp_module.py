@@ -13,7 +13,7 @@ from torch import nn
 
 import lightning_ragged as lr
 from lightning_ragged.engine.grouping import stack_blocks
-from tests.models import SEQ, WIDTH, TinyBlock, lm_loss, make_batches, make_model
+from tests.models import SEQ, WIDTH, TinyBlock, lm_loss, make_batches, make_model, shard_grad_diff
 from tests.test_fp8_gather import _IssuedCollectives
 from tests.test_fully_shard import BATCH, _local, check_training_matches_single_process
 
@@ -279,6 +279,61 @@ def test_gradient_divide_factor_per_module_as_fsdp2(dist_pool, world_size, mesh_
         assert result["compared_fsdp2"] == (len(mesh_shape) == 1), result
 
 
+def check_hsdp_accumulation_without_all_reduce(mesh_shape: tuple[int, int]) -> dict:
+    """FSDP2's HSDP accumulation: micro-batch 1 with ``set_requires_all_reduce(False)`` (the shard group reduces,
+    the replicas do not: its sum is held, no gradient is written), micro-batch 2 with True (the held sum joins
+    its all-reduce). 2 AdamW steps against one process on the global batch and against torch's FSDP2 (same
+    mesh, same calls): gradients and parameters."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard as fsdp2_shard
+
+    mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("replicate", "shard"))
+    data = make_batches(2, 2 * dist.get_world_size())
+    reference, model, fsdp2 = make_model(), lr.fully_shard(make_model(), mesh=mesh), make_model()
+    for block in fsdp2.blocks:
+        fsdp2_shard(block, mesh=mesh)
+    fsdp2_shard(fsdp2, mesh=mesh)
+    optimizers = [torch.optim.AdamW(net.parameters(), lr=1e-2) for net in (reference, model, fsdp2)]
+    stats = lr.get_state(model).stats
+    held_grads, held_replica_all_reduces, last_replica_all_reduces, grad_diff = [], [], [], 0.0
+    for batch in data:
+        lm_loss(reference, batch).backward()
+        for index, micro in enumerate(_local(batch).chunk(2)):
+            before = stats.replica_all_reduces
+            for net in (model, fsdp2):
+                net.set_requires_all_reduce(index == 1)
+                (lm_loss(net, micro) / 2).backward()
+            if index == 0:
+                held_grads += [p.grad is not None for net in (model, fsdp2) for p in net.parameters()]
+                held_replica_all_reduces.append(stats.replica_all_reduces - before)
+            else:
+                last_replica_all_reduces.append(stats.replica_all_reduces - before)
+        grad_diff = max(grad_diff, shard_grad_diff(model, reference))
+        full = {name: p.grad.full_tensor().reshape(-1) for name, p in fsdp2.named_parameters()}
+        for name, param in model.named_parameters():
+            start, end = param.ragged_shard.local_range
+            if end > start:
+                grad_diff = max(grad_diff, (param.grad - full[name][start:end]).abs().max().item())
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad()
+    full = lr.full_state_dict(model)
+    fsdp2_full = {name: p.full_tensor() for name, p in fsdp2.named_parameters()}
+    param_diff = max(max((full[name] - p).abs().max().item(), (fsdp2_full[name] - p).abs().max().item())
+                     for name, p in reference.named_parameters())
+    return {"grad_diff": grad_diff, "param_diff": param_diff, "held_grads": any(held_grads),
+            "held_replica_all_reduces": held_replica_all_reduces, "last_replica_all_reduces": last_replica_all_reduces}
+
+
+@pytest.mark.parametrize("world_size, mesh_shape", [(2, (2, 1)), (4, (2, 2))])
+def test_hsdp_accumulation_without_the_replica_all_reduce_as_fsdp2(dist_pool, world_size, mesh_shape):
+    for result in dist_pool(world_size).run(check_hsdp_accumulation_without_all_reduce, mesh_shape):
+        assert result["grad_diff"] <= 1e-6 and result["param_diff"] <= 1e-6, result
+        assert not result["held_grads"], result  # as FSDP2: the held micro-batch writes no gradient
+        assert result["held_replica_all_reduces"] == [0, 0], result
+        assert all(count > 0 for count in result["last_replica_all_reduces"]), result
+
+
 def check_fsdp2_method_names() -> dict:
     """Every public method of torch's FSDPModule exists on ours: implemented, accepted as a no-op where nothing
     is needed, or refused with the reason (never an AttributeError)."""
@@ -296,10 +351,7 @@ def check_fsdp2_method_names() -> dict:
         model.blocks[0].reset_iter_state()
     with pytest.raises(NotImplementedError, match="set_custom_all_gather"):
         model.set_custom_all_gather(None)
-    model.set_requires_all_reduce(True)  # what the engine does anyway: accepted
     model.set_unshard_in_backward(False)  # speed only: accepted
-    with pytest.raises(NotImplementedError, match=r"set_requires_all_reduce\(False\)"):
-        model.set_requires_all_reduce(False)
     left = [dbuffer.is_unsharded for dbuffer in lr.get_state(model).dbuffers()]
     return {"missing": missing, "left_unsharded": left}
 

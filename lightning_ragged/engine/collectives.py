@@ -119,7 +119,7 @@ def all_gather(
 def reduce(
     full: torch.Tensor, mode: str, group: dist.ProcessGroup | None, segment: slice, async_op: bool, started: float,
     replicate_group: dist.ProcessGroup | None = None, stats: CommStats | None = None,
-    reduce_dtype: torch.dtype | None = None,
+    reduce_dtype: torch.dtype | None = None, held: torch.Tensor | None = None,
 ) -> PendingCollective:
     """Sum ``full`` over ``group`` in ``reduce_dtype`` (default: its own): in place (``all_reduce``) or into this
     rank's ``segment`` (``reduce_scatter``, into a tensor of its own; ``pairwise``, into ``full``'s segment).
@@ -129,7 +129,8 @@ def reduce(
     as it is (a widening cast is exact, so the same sums for half the bytes) and sums this rank's segment,
     cast, with the received ones. The pending collective keeps ``(full, own_segment)`` alive; ``own_segment``
     holds this rank's summed segment once it finished, summed over ``replicate_group`` too (HSDP): right
-    after a synchronous reduction, else when it is waited for (``then``). Counted in ``stats``.
+    after a synchronous reduction, else when it is waited for (``then``). ``held``: earlier sums of this segment
+    over ``group`` only (HSDP accumulation without the replica all-reduce), added in before it. Counted in ``stats``.
     """
     dtype = reduce_dtype or full.dtype
     sent = full if mode == "pairwise" or full.dtype == dtype else full.to(dtype)
@@ -147,6 +148,8 @@ def reduce(
     pending = PendingCollective(work, started, full, own_segment, sent)
     if replicate_group is not None:
         def replica() -> None:
+            if held is not None:
+                own_segment.add_(held)
             all_reduce(own_segment, replicate_group)
 
         if async_op:

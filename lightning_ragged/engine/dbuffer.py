@@ -7,28 +7,23 @@ Three flat tensors laid out by the planner:
 * ``unsharded`` (size m·S, compute dtype): allocated at unshard (an fp8 gather's at its wait,
   where the dequantize writes it), freed at reshard. The module's parameters are fixed,
   original-shape views into it, so the all-gather writes every parameter in place: no copy-in, no copy-out.
-* ``unsharded_grad`` (size m·S, ``grad_dtype``): allocated when the first gradient of the
-  DBuffer arrives (autograd's post-accumulate hook), not at the group's backward pre-hook,
-  so no buffer waits through the backward of the groups before it; the collective reads it.
-  With equal compute and reduce dtypes it is zeroed then and every ``param.grad`` points at
-  its view, so autograd accumulates in place (no copy). With a reduce dtype of its own each
-  gradient lands by one copy into its view (later ones of the same parameter by ``add_``)
-  and only what no gradient writes is zeroed: the padding at allocation, the parameters no
-  gradient reached before the reduction; no zero-fill. It is in the narrower dtype (bf16
-  under bf16-mixed, as FSDP2 holds gradients until its reduce-scatter), summed in the reduce
-  dtype (``collectives.reduce``); ``no_sync`` micro-batches accumulate in the reduce dtype.
+* ``unsharded_grad`` (size m·S, ``grad_dtype``): allocated when the DBuffer's first gradient arrives
+  (not at the group's backward pre-hook: no buffer waits through earlier groups' backward); the collective
+  reads it. With equal compute and reduce dtypes it is zeroed then and every ``param.grad`` points at its
+  view, so autograd accumulates in place (no copy). With a reduce dtype of its own each gradient lands by one
+  copy into its view (later ones by ``add_``) and only what no gradient writes is zeroed (padding, parameters
+  no gradient reached). It is in the narrower dtype (bf16 under bf16-mixed, as FSDP2 holds gradients until
+  its reduce-scatter), summed in the reduce dtype; ``no_sync`` micro-batches accumulate in the reduce dtype.
 
 Storage is freed and re-allocated with ``untyped_storage().resize_`` so the views (and tensors autograd
-saved) stay valid across reshard/unshard. Group-level work runs once on the flat tensors, never per parameter.
+saved) stay valid. Group-level work runs once on the flat tensors, never per parameter.
 
-A DBuffer whose parameters are all frozen (``requires_grad=False``) never allocates a gradient buffer
-and is never reduced (decided at every backward from the parameters' current flags, mirrored onto the
-full parameters before each forward call). A parameter no rank used keeps ``grad is None`` (DDP).
+A DBuffer whose parameters are all frozen never allocates a gradient buffer and is never reduced (decided
+at every backward from the current flags). A parameter no rank used keeps ``grad is None`` (DDP).
 
-**A single rank** (``single_rank``: a shard group of one, no HSDP; HSDP keeps the full path):
-no collective, no copy. Without a cast or fp8 the full buffer *is* the segment (``full_is_shard``):
-unshard/reshard only swap the module's views (no event: no memory changes). With a cast, the cast
-written into the full buffer is the "gather" (its events; ``keep_cast_shard`` keeps nothing). The
+**A single rank** (``single_rank``: a shard group of one, no HSDP): no collective, no copy. Without a cast or
+fp8 the full buffer *is* the segment (``full_is_shard``): unshard/reshard only swap the module's views (no event).
+With a cast, the cast written into the full buffer is the "gather" (``keep_cast_shard`` keeps nothing). The
 gradient buffer, a tensor of its own each backward, is adopted as the sharded gradient (``sharded_grad.py``).
 
 The collective calls themselves are in ``collectives.py``, on the comm streams of ``streams.py`` (no-op on
@@ -144,6 +139,8 @@ class DBuffer:
             storage.free(placeholder)
         self._pending_unshard: PendingCollective | None = None
         self._pending_reduce: PendingCollective | None = None
+        self.holds = False  # the last reduction was over the shard group only (HSDP, ``all_reduce=False``)
+        self._held: torch.Tensor | None = None  # the sums it held, added in before the next replica all-reduce
 
     def _build_full(self, alias: bool) -> None:
         """The full buffer and the parameters' original-shape views into it; ``alias``: it is the segment itself."""
@@ -171,8 +168,7 @@ class DBuffer:
 
     @property
     def fp8_gather(self) -> Fp8Gather | None:
-        """Set by ``fully_shard(fp8_all_gather=...)`` before first use: the all-gather carries fp8 bytes and tile
-        scales (on a single rank too, into a full buffer apart from the shard)."""
+        """Set by ``fully_shard(fp8_all_gather=...)``: the all-gather carries fp8 bytes and tile scales."""
         return self._fp8_gather
 
     @fp8_gather.setter
@@ -343,8 +339,11 @@ class DBuffer:
             param.grad = None if self._land_by_copy else view
         self._used.add(name)
 
-    def reduce_grad(self, async_op: bool = True) -> None:
-        """Sum the flat gradient buffer over the shard group: into S in place (pairwise, all-reduce) or apart (reduce-scatter)."""
+    def reduce_grad(self, async_op: bool = True, all_reduce: bool = True) -> None:
+        """Sum the flat gradient buffer over the shard group: into S in place (pairwise, all-reduce) or apart
+        (reduce-scatter); then over the replicas (HSDP). ``all_reduce=False`` (FSDP2's ``set_requires_all_reduce``):
+        no replica all-reduce, this rank's sum is held (no gradient written) and joins the next one's."""
+        self.holds = not all_reduce and self.replicate_group is not None
         observed(self, EventKind.REDUCE_ISSUED, self.reduce_mode, self._on_stream, False, self._issue_reduce, async_op)
         if not async_op:
             self.finish_reduce()
@@ -361,7 +360,7 @@ class DBuffer:
             return
         self._pending_reduce = collectives.reduce(
             full, self.reduce_mode, self.process_group, self.segment, async_op, started,
-            self.replicate_group, self.stats, self.reduce_dtype,
+            None if self.holds else self.replicate_group, self.stats, self.reduce_dtype, self._held,
         )
 
     @property
@@ -379,13 +378,14 @@ class DBuffer:
         self._pending_reduce = None
         self.stats.reduce_seconds += pending.wait()
         own_segment = pending.keep_alive[1]
+        if self.holds:
+            self._held = own_segment.clone() if self._held is None else self._held.add_(own_segment)
+            self.free_unsharded_grad()
+            return
+        self._held = None  # added in by the replica all-reduce
         scale = 1.0 / self.gradient_divide_factor
         adopted = self._grad.write(self.sharded_params, own_segment, scale, adoptable=self.single_rank)
         self.free_unsharded_grad(adopted=adopted)
-
-    @property
-    def trainable_count(self) -> int:
-        return sum(1 for p in self.sharded_params.values() if p.requires_grad)
 
     def used_flags(self) -> list[bool]:
         """Per trainable parameter (in order): did a gradient reach it since the last reduction?"""
@@ -408,7 +408,7 @@ class DBuffer:
             self._pending_reduce = None
         self._used.clear()
         self.free_unsharded_grad()
-        self._partial = None  # a kept 1/n of the buffer (reshard_after_forward=int) would be gathered stale
+        self._held = self._partial = None  # held sums are dropped; a kept part (reshard_after_forward=int): stale
         self._free_unsharded()
 
     @property

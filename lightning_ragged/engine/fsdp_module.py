@@ -61,7 +61,14 @@ class FSDPModule:
         """Reduce gradients in the next backwards (True) or accumulate them locally with no collective, as FSDP2:
         for this module's group and (``recurse``) the groups nested in it; the other groups keep theirs."""
         for group in self._ragged_nested_groups() if recurse else self._ragged_own_groups():
-            group.requires_gradient_sync = bool(requires_gradient_sync)
+            group.requires_gradient_sync = group.requires_all_reduce = bool(requires_gradient_sync)
+
+    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
+        """HSDP accumulation with the shard group's reduction but not the replica all-reduce (False), as FSDP2's:
+        each backward's sum is held, no gradient written; the next backward with True adds it in before its
+        all-reduce. Without replicas there is nothing to skip. ``set_requires_gradient_sync`` sets it too."""
+        for group in self._ragged_nested_groups() if recurse else self._ragged_own_groups():
+            group.requires_all_reduce = bool(requires_all_reduce)
 
     def set_gradient_divide_factor(self, factor: float) -> None:
         """Divide the reduced gradient sum of this module's own group by ``factor`` instead of the data-parallel size
@@ -158,8 +165,6 @@ def _true(flag: Any = True, *_args: Any, **_kwargs: Any) -> bool:
 
 FSDP2_ONLY_METHODS: dict[str, tuple[Callable[..., bool] | None, str]] = {
     "set_force_sum_reduction_for_comms": (_any, "the reduction's result is the average either way"),
-    "set_requires_all_reduce": (_true, "HSDP's replica all-reduce follows every reduction; turn both off with "
-                                       "set_requires_gradient_sync(False)"),
     "set_all_reduce_hook": (None, "HSDP's replica all-reduce is the engine's own"),
     "set_custom_all_gather": (None, "the all-gather writes each DBuffer in place"),
     "set_custom_reduce_scatter": (None, "the reduction is chosen by fully_shard(..., reduce_mode=...)"),

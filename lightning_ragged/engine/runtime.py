@@ -315,17 +315,17 @@ class RaggedFSDPState:
             if dbuffer.has_unsharded_grad or (group.backward_prepared and dbuffer.trainable):
                 if self.syncs(group):
                     dbuffer.ensure_grad_buffer()
-                    self._reduce(dbuffer)
+                    self._reduce(dbuffer, group.requires_all_reduce)
                 elif not dbuffer.single_rank:  # every rank that ran the group holds its buffers, so which
                     # DBuffers a synchronized backward reduces never depends on where this rank's gradients reached
                     dbuffer.ensure_grad_buffer(accumulate=True)
         group.reshard_after_backward_step()
         group.end_backward()
 
-    def _reduce(self, dbuffer: DBuffer) -> None:
+    def _reduce(self, dbuffer: DBuffer, all_reduce: bool) -> None:
         """Issue one DBuffer's asynchronous reduction, finishing the previous ones first (at most one in flight)."""
         self._finish_in_flight()
-        dbuffer.reduce_grad(async_op=True)
+        dbuffer.reduce_grad(async_op=True, all_reduce=all_reduce)
         self._in_flight.append(dbuffer)
         self._reduced.append(dbuffer)
 
@@ -345,10 +345,11 @@ class RaggedFSDPState:
                 # ran forward with reshard_after_forward=False but got no gradient, or was prefetched and did not
                 # run: a gather left pending would be used after the optimizer step, with the old values
                 group.reshard_after_backward_step()
-        if self._reduced:
-            settle_unused(self._reduced, self.stats, self._finish_in_flight)
+        reduced = [dbuffer for dbuffer in self._reduced if not dbuffer.holds]  # held: no gradient written yet
+        if reduced:
+            settle_unused(reduced, self.stats, self._finish_in_flight)
         self._finish_in_flight()
-        reduced, self._reduced = self._reduced, []
+        self._reduced = []
         self._in_backward = False
         gathered = [group for group in self.all_groups if group.is_unsharded]
         for dbuffer in reduced:  # the gradients are final: optimizer-in-backward hooks may step and zero them

@@ -48,6 +48,8 @@ class ShardGroup:
         self.reshard_after_backward = True
         self.requires_gradient_sync = True
         """FSDP2's per-module flag (``set_requires_gradient_sync(..., recurse)``); reduced only with the model's too."""
+        self.requires_all_reduce = True
+        """FSDP2's ``set_requires_all_reduce``: False (HSDP) holds the shard group's sums back from the replicas."""
         self.forward_prefetch: list[ShardGroup] | None = None
         """Groups to all-gather when this one's forward starts (None: the recorded order)."""
         self.backward_prefetch: list[ShardGroup] | None = None

@@ -24,7 +24,8 @@ def settle_unused(reduced: Sequence[DBuffer], stats: CommStats, finish_in_flight
     rank (a shard group of one, no HSDP) has no other rank to ask: its own flags are the answer.
     ``finish_in_flight`` waits for the reductions still running (after the flags are issued).
     """
-    flags = [flag for dbuffer in reduced for flag in dbuffer.used_flags()]
+    per_buffer = [dbuffer.used_flags() for dbuffer in reduced]
+    flags = [flag for buffer_flags in per_buffer for flag in buffer_flags]
     first = reduced[0]
     if first.single_rank:
         finish_in_flight()
@@ -42,7 +43,7 @@ def settle_unused(reduced: Sequence[DBuffer], stats: CommStats, finish_in_flight
         else:
             used = counts.tolist()
             stats.flag_reads += 1
-    for dbuffer in reduced:
-        count = dbuffer.trainable_count
+    for dbuffer, buffer_flags in zip(reduced, per_buffer):
+        count = len(buffer_flags)
         dbuffer.settle_unused([u > 0 for u in used[:count]])
         used = used[count:]

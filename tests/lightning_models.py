@@ -110,6 +110,42 @@ def token_loader(samples: int, batch_size: int, seed: int = 1) -> DataLoader:
     return DataLoader(TensorDataset(tokens), batch_size=batch_size, shuffle=False)
 
 
+class LitManualGPT(LitTinyGPT):
+    """Manual optimization, Lightning's GAN pattern: AdamW on everything but ``blocks.1`` (accumulated over 2
+    batches, clipped by norm), SGD on ``blocks.1`` every batch, each behind ``toggle_optimizer``, each with a
+    StepLR stepped by hand."""
+
+    def __init__(self, lr: float = 0.5, layers: int = 2) -> None:
+        super().__init__(lr, layers)
+        self.automatic_optimization = False
+
+    def training_step(self, batch: tuple[torch.Tensor], batch_idx: int) -> None:
+        (opt_a, opt_b), (sched_a, sched_b) = self.optimizers(), self.lr_schedulers()
+        self.toggle_optimizer(opt_a)
+        loss = self._loss(batch)
+        self.manual_backward(loss / 2)
+        if batch_idx % 2 == 1:
+            self.clip_gradients(opt_a, gradient_clip_val=0.05, gradient_clip_algorithm="norm")
+            opt_a.step()
+            opt_a.zero_grad()
+            sched_a.step()
+        self.untoggle_optimizer(opt_a)
+        self.toggle_optimizer(opt_b)
+        self.manual_backward(self._loss(batch) * 0.5)
+        opt_b.step()
+        opt_b.zero_grad()
+        sched_b.step()
+        self.untoggle_optimizer(opt_b)
+        self.losses.append(loss.item())
+
+    def configure_optimizers(self) -> tuple[list, list]:
+        second = {id(p) for p in self.model.blocks[1].parameters()}
+        opt_a = torch.optim.AdamW([p for p in self.parameters() if id(p) not in second], lr=1e-2)
+        opt_b = torch.optim.SGD(self.model.blocks[1].parameters(), lr=0.1, momentum=0.9)
+        schedulers = [torch.optim.lr_scheduler.StepLR(opt_a, 2, 0.5), torch.optim.lr_scheduler.StepLR(opt_b, 3, 0.5)]
+        return [opt_a, opt_b], schedulers
+
+
 class LitRegression(L.LightningModule):
     """Float features and float targets (a regression); records the dtypes ``training_step`` receives."""
 

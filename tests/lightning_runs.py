@@ -31,7 +31,7 @@ from lightning.pytorch.callbacks import Callback  # noqa: E402
 import lightning_ragged  # noqa: E402,F401  (registers "ragged_fsdp")
 from lightning_ragged import RaggedFSDPStrategy, full_state_dict, get_state  # noqa: E402
 from tests.lightning_models import (  # noqa: E402
-    LitRegression, LitTinyGPT, cpu_trainer, regression_loader, token_loader,
+    LitManualGPT, LitRegression, LitTinyGPT, cpu_trainer, regression_loader, token_loader,
 )
 
 warnings.filterwarnings("ignore")
@@ -43,14 +43,14 @@ def make_trainer(strategy, devices: int, steps: int, **kwargs) -> L.Trainer:
 
 
 def fit(strategy, devices: int = 2, steps: int = 6, seed: int = 0, accumulate: int = 1, meta: bool = False,
-        lr: float = 0.5, **kwargs) -> tuple[L.Trainer, LitTinyGPT]:
+        lr: float = 0.5, module: type[LitTinyGPT] = LitTinyGPT, **kwargs) -> tuple[L.Trainer, LitTinyGPT]:
     L.seed_everything(seed, verbose=False)
     trainer = make_trainer(strategy, devices, steps, accumulate_grad_batches=accumulate, **kwargs)
     if meta:
         with trainer.init_module(empty_init=True):
-            model = LitTinyGPT(lr=lr)
+            model = module(lr=lr)
     else:
-        model = LitTinyGPT(lr=lr)
+        model = module(lr=lr)
     trainer.fit(model, token_loader(steps * accumulate * devices * BATCH, BATCH))
     return trainer, model
 
@@ -91,10 +91,10 @@ class CountReductions(Callback):
         self._last = reduces
 
 
-def parity(results: dict, name: str, ragged_strategy, devices: int = 2, ragged_callbacks=(), **kwargs
-           ) -> tuple[L.Trainer, LitTinyGPT]:
+def parity(results: dict, name: str, ragged_strategy, devices: int = 2, ragged_callbacks=(), ddp_strategy="ddp",
+           **kwargs) -> tuple[L.Trainer, LitTinyGPT]:
     """Fit DDP and the ragged strategy on the same seed and data; record loss and parameter diffs."""
-    _, ddp = fit("ddp", devices=devices, **kwargs)
+    _, ddp = fit(ddp_strategy, devices=devices, **kwargs)
     trainer, ragged = fit(ragged_strategy, devices=devices, callbacks=list(ragged_callbacks), **kwargs)
     results[f"{name}_loss_diff"] = worst(loss_diff(ddp, ragged))
     results[f"{name}_param_diff"] = worst(max_diff(full_params(ddp), full_params(ragged)))
@@ -182,6 +182,11 @@ def main_mode(results: dict) -> None:
     _, clipped = parity(results, "clip_norm", "ragged_fsdp", gradient_clip_val=0.05)
     results["clip_changes_params"] = worst(max_diff(full_params(clipped), full_params(ragged)))
     parity(results, "clip_value", "ragged_fsdp", gradient_clip_val=0.002, gradient_clip_algorithm="value")
+
+    # Manual optimization: two optimizers behind toggle_optimizer, manual_backward, clip_gradients, hand-stepped
+    # schedulers (DDP needs find_unused_parameters: each backward leaves the other optimizer's parameters frozen).
+    parity(results, "manual", "ragged_fsdp", steps=12, module=LitManualGPT,
+           ddp_strategy="ddp_find_unused_parameters_true")
 
     # Accumulation: no reduction on the non-final micro-batch.
     counter = CountReductions()

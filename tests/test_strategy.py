@@ -299,6 +299,11 @@ def test_gradient_clipping_matches_ddp(main_run: dict) -> None:
     assert main_run["clip_changes_params"] > 1e-3  # the threshold really clipped
 
 
+def test_manual_optimization_with_two_optimizers_matches_ddp(main_run: dict) -> None:
+    assert main_run["manual_steps"] >= 6  # batches: max_steps counts both optimizers' steps
+    assert main_run["manual_loss_diff"] <= FP32_TOL and main_run["manual_param_diff"] <= FP32_TOL, main_run
+
+
 def test_accumulation_reduces_only_on_the_last_micro_batch(main_run: dict) -> None:
     per_backward = main_run["accum_reduces_per_backward"]
     assert len(per_backward) == 12

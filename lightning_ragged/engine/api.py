@@ -431,9 +431,10 @@ def _install_hooks(state: RaggedFSDPState) -> None:
 
 
 def set_requires_gradient_sync(module: nn.Module, requires_gradient_sync: bool) -> None:
-    """Turn the gradient reduction off (accumulate gradients locally, in the reduce dtype) or back on: every group's."""
+    """Turn the gradient reduction off (accumulate gradients locally, in the reduce dtype) or back on: every group's
+    (HSDP's replica all-reduce with it, as ``FSDPModule.set_requires_gradient_sync``)."""
     for group in get_state(module).all_groups:
-        group.requires_gradient_sync = bool(requires_gradient_sync)
+        group.requires_gradient_sync = group.requires_all_reduce = bool(requires_gradient_sync)
 
 
 @contextlib.contextmanager

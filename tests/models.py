@@ -62,9 +62,9 @@ def lm_loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
 
 
-def make_model(seed: int = 0) -> TinyLM:
+def make_model(seed: int = 0, layers: int = 2) -> TinyLM:
     torch.manual_seed(seed)
-    return TinyLM()
+    return TinyLM(layers)
 
 
 def make_batches(steps: int, batch: int, seed: int = 1) -> torch.Tensor:

@@ -5,7 +5,9 @@ Users compile each transformer block the way torchtitan does with FSDP2:
 hooks run inside the compiled region. The engine keeps its hooks out of the traced
 graph (``torch.compiler.disable`` on every callable it hands to torch), so Dynamo
 compiles only the blocks' own ``forward``: no graph break, one graph shared by all
-blocks, nothing compiled after the first step, and training matches eager.
+blocks, nothing compiled after the first step, and training matches eager. The same holds
+for blocks sharded in groups of two (``blocks_per_group=2``: a group's hooks span two
+compiled blocks), trained in the same steps against its own single-process model.
 """
 
 from __future__ import annotations
@@ -73,15 +75,21 @@ def check_compiled_blocks_match_eager(cache_dir: str) -> dict:
         return _train_compiled_eager_and_oracle(counters)
 
 
+GROUPED_LAYERS = 4  # blocks_per_group=2: two groups of two compiled blocks, and the root
+
+
 def _train_compiled_eager_and_oracle(counters) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     data = make_batches(STEPS, LOCAL_BATCH * world)
     oracle = make_model()
     eager = lr.fully_shard(make_model())
     compiled = lr.fully_shard(make_model())
-    for block in compiled.blocks:
+    grouped_oracle = make_model(layers=GROUPED_LAYERS)
+    grouped = lr.fully_shard(make_model(layers=GROUPED_LAYERS), blocks_per_group=2)
+    for block in [*compiled.blocks, *grouped.blocks]:
         block.compile()  # after fully_shard, as a user would (torchtitan: per block, default Inductor)
-    models = {"oracle": oracle, "eager": eager, "compiled": compiled}
+    models = {"oracle": oracle, "eager": eager, "compiled": compiled, "grouped": grouped,
+              "grouped_oracle": grouped_oracle}
     optimizers = {name: torch.optim.AdamW(m.parameters(), lr=1e-2) for name, m in models.items()}
     losses: dict[str, list[float]] = {name: [] for name in models}
     per_step = []
@@ -96,16 +104,24 @@ def _train_compiled_eager_and_oracle(counters) -> dict:
             loss = lm_loss(compiled, local)
             compiled_nodes = _compiled_backward_nodes(loss)
             loss.backward()
+            grouped_loss = lm_loss(grouped, local)
+            grouped_nodes = _compiled_backward_nodes(grouped_loss)
+            grouped_loss.backward()
         per_step.append(
             {
                 "graph_breaks": sum(counters["graph_break"].values()) - breaks,
                 "frames_compiled": counters["frames"]["total"] - frames,
                 "graphs_compiled": counters["stats"]["unique_graphs"] - graphs,
                 "compiled_blocks_run": compiled_nodes,
+                "grouped_blocks_run": grouped_nodes,
                 "seconds": round(time.perf_counter() - started, 2),
             }
         )
         losses["compiled"].append(loss.item())
+        losses["grouped"].append(grouped_loss.item())
+        loss = lm_loss(grouped_oracle, data[step])
+        loss.backward()
+        losses["grouped_oracle"].append(loss.item())
         loss = lm_loss(eager, local)
         loss.backward()
         losses["eager"].append(loss.item())
@@ -116,15 +132,18 @@ def _train_compiled_eager_and_oracle(counters) -> dict:
             optimizer.step()
             optimizer.zero_grad()
     # The oracle's loss is over the global batch: the mean of the ranks' (equal-sized) local losses.
-    global_losses = torch.tensor(losses["compiled"])
-    dist.all_reduce(global_losses)
-    losses["compiled_global"] = (global_losses / world).tolist()
+    for name in ("compiled", "grouped"):
+        global_losses = torch.tensor(losses[name])
+        dist.all_reduce(global_losses)
+        losses[f"{name}_global"] = (global_losses / world).tolist()
     eager_params = lr.full_state_dict(eager)
     return {
         "per_step": per_step,
         "losses": losses,
         "vs_eager": _max_diff(compiled, eager_params),
         "vs_oracle": _max_diff(compiled, oracle.state_dict()),
+        "grouped_vs_oracle": _max_diff(grouped, grouped_oracle.state_dict()),
+        "group_sizes": [len(group.members) for group in lr.get_state(grouped).groups],
         "eager_vs_oracle": _max_diff(eager, oracle.state_dict()),
         "graph_break_reasons": sorted(reason.splitlines()[0] for reason in counters["graph_break"]),
     }
@@ -145,13 +164,16 @@ def test_compiled_blocks_match_eager(dist_pool, inductor_cache_dir, world_size):
         for step in result["per_step"]:
             assert step["graph_breaks"] <= MAX_GRAPH_BREAKS_PER_STEP, result
             assert step["compiled_blocks_run"] == blocks, result  # every block ran its compiled graph
+            assert step["grouped_blocks_run"] == GROUPED_LAYERS, result
         assert 1 <= first["graphs_compiled"] <= blocks, result  # measured 1: the blocks share one graph
         assert all(s["frames_compiled"] == 0 and s["graphs_compiled"] == 0 for s in later), result
         losses = result["losses"]
-        for mine, theirs in [("compiled", "eager"), ("compiled_global", "oracle")]:
+        assert result["group_sizes"] == [2] * (GROUPED_LAYERS // 2), result
+        for mine, theirs in [("compiled", "eager"), ("compiled_global", "oracle"), ("grouped_global", "grouped_oracle")]:
             for compiled_loss, loss in zip(losses[mine], losses[theirs]):
                 assert abs(compiled_loss - loss) <= LOSS_TOL * abs(loss), (theirs, losses)
         assert result["vs_eager"] <= PARAM_TOL, result
         assert result["vs_oracle"] <= PARAM_TOL, result
+        assert result["grouped_vs_oracle"] <= PARAM_TOL, result
     print(f"\nworld {world_size}: per step {results[0]['per_step']}; max param diff vs eager sharded "
           f"{results[0]['vs_eager']:.2e}, vs single process {results[0]['vs_oracle']:.2e}")

@@ -194,6 +194,36 @@ def test_gradient_sync_is_set_per_module_as_fsdp2(dist_pool, target):
         assert result["first_diff"] <= 1e-6 and result["diff"] <= 1e-5, result
 
 
+def check_group_members_are_fsdp_modules() -> dict:
+    """Blocks sharded two per group (``blocks_per_group=2``) vs torch's ``fully_shard([block0, block1])``: every
+    member is an FSDPModule of one class per block class (a compiled block then shares one graph, no type
+    recompile), and the second member's methods act on the group it shares: ``set_requires_gradient_sync(False)``
+    on ``blocks[1]`` leaves both blocks' gradients unreduced (``grad is None``), as FSDP2's."""
+    from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
+    from torch.distributed.fsdp import fully_shard as fsdp2_shard
+
+    model = lr.fully_shard(make_model(layers=4), blocks_per_group=2)
+    fsdp2 = make_model(layers=4)
+    for pair in (fsdp2.blocks[:2], fsdp2.blocks[2:]):
+        fsdp2_shard(list(pair))
+    fsdp2_shard(fsdp2)
+    result: dict = {}
+    for name, net, fsdp_class in (("ours", model, lr.FSDPModule), ("fsdp2", fsdp2, TorchFSDPModule)):
+        result[f"{name}_members"] = [isinstance(block, fsdp_class) for block in net.blocks]
+        result[f"{name}_classes"] = len({type(block) for block in net.blocks})
+        net.blocks[1].set_requires_gradient_sync(False)
+        lm_loss(net, _local(make_batches(1, BATCH)[0])).backward()
+        result[f"{name}_unreduced"] = sorted({n.split(".")[1] for n, p in net.named_parameters() if p.grad is None})
+    return result
+
+
+def test_every_member_of_a_group_is_an_fsdp_module_as_fsdp2(dist_pool):
+    result = dist_pool(2).run(check_group_members_are_fsdp_modules)[0]
+    assert result["ours_members"] == result["fsdp2_members"] == [True] * 4, result
+    assert result["ours_classes"] == result["fsdp2_classes"] == 1, result
+    assert result["ours_unreduced"] == result["fsdp2_unreduced"] == ["0", "1"], result
+
+
 def check_fsdp2_arguments(mesh_shape: tuple[int, ...]) -> dict:
     """FSDP2's arguments: a ``mesh`` (1-D: shard over it; 2-D: replicate over dim 0, shard over dim 1) with
     ``reshard_after_forward=None`` and the no-op ``offload_policy`` / ``ignored_params`` train as one process; the

@@ -257,8 +257,8 @@ def fully_shard(
     _install_hooks(state)
     install_state_dict_hooks(new_groups)
     route_torch_grad_norm(dbuffer for group in new_groups for dbuffer in group.dbuffers)
-    for group in state.all_groups:
-        make_fsdp_module(group.module)
+    for member in (member for group in state.all_groups for member in group.members):
+        make_fsdp_module(member)  # every member of a group of blocks, as FSDP2's fully_shard([...])
     make_fsdp_module(module)
     make_save_pretrained_gather(module)
     mark_managed(module, state)

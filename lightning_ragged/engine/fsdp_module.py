@@ -33,12 +33,12 @@ class FSDPModule:
         return module
 
     def _ragged_own_groups(self) -> list:
-        state = self._ragged_fsdp_state
-        return [group for group in state.all_groups if group.module is self]
+        """The groups this module is a member of (a group of several blocks is every member's, as FSDP2's)."""
+        return [group for group in self._ragged_fsdp_state.all_groups if any(m is self for m in group.members)]
 
     def _ragged_nested_groups(self) -> list:
         inside = {id(m) for m in self.modules()}
-        return [group for group in self._ragged_fsdp_state.all_groups if id(group.module) in inside]
+        return [group for group in self._ragged_fsdp_state.all_groups if any(id(m) in inside for m in group.members)]
 
     def unshard(self, async_op: bool = False) -> Any:
         """All-gather this module's own group (not the nested ones, as FSDP2) and point it at the full parameters.

@@ -22,4 +22,6 @@ def dist_pool() -> Iterator[Callable[[int], DistributedPool]]:
 
     yield get
     for pool in pools.values():
+        pool.stop()
+    for pool in pools.values():
         pool.close()

@@ -1,12 +1,13 @@
 """A small 2-task training job for tests/test_slurm.py, launched by ``srun`` inside ``sbatch``.
 
     srun python tests/slurm_job.py --out DIR [--devices 2] [--num-nodes 1] [--max-steps 200]
-                                   [--replicate-degree {1,2,...,node}]
+                                   [--replicate-degree {1,2,...,node} [--replicate-degree ...]]
 
 ``Trainer(strategy="ragged_fsdp", accelerator="cpu", devices=2, num_nodes=1)`` under Lightning's
 ``SLURMEnvironment`` (detected from srun's variables; auto-requeue on SIGUSR1 is its default).
 With ``--replicate-degree`` the strategy is ``RaggedFSDPStrategy(replicate_degree=...)`` instead
-of the registered name (the two-node test: ``--num-nodes 2 --devices 1``, plain and HSDP).
+of the registered name (the two-node test: ``--num-nodes 2 --devices 1``, plain and HSDP, one
+after the other in the same processes, each in ``OUT/degree-<value>``).
 The model has several FSDP groups (all-gathers and reductions all through the step, so a
 signal lands inside different collectives on different ranks) and dropout (random ops whose
 RNG state must survive a requeue). The data of step ``s`` on rank ``r`` is drawn from a
@@ -108,18 +109,28 @@ def main() -> None:
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--num-nodes", type=int, default=1)
     parser.add_argument("--max-steps", type=int, default=200)
-    parser.add_argument("--replicate-degree", default=None, help="RaggedFSDPStrategy(replicate_degree=...)")
+    parser.add_argument("--replicate-degree", action="append", default=None,
+                        help="RaggedFSDPStrategy(replicate_degree=...); given twice: two runs, in OUT/degree-<value>")
     parser.add_argument("--sigterm-wait", type=float, default=None, help="SLURMRequeue(sigterm_wait_s=...)")
     args = parser.parse_args()
-    out = Path(args.out)
     torch.set_num_threads(1)
+    try:
+        if args.replicate_degree is None:
+            train(args, Path(args.out), "ragged_fsdp")
+        for degree in args.replicate_degree or ():  # one process start for every run (the imports cost most)
+            strategy = lr.RaggedFSDPStrategy(replicate_degree=degree if degree == "node" else int(degree))
+            out = Path(args.out) / f"degree-{degree}" if len(args.replicate_degree) > 1 else Path(args.out)
+            out.mkdir(exist_ok=True)
+            train(args, out, strategy)
+    finally:
+        if dist.is_initialized():  # a gloo group left to the interpreter's exit may abort the process
+            dist.destroy_process_group()
+
+
+def train(args: argparse.Namespace, out: Path, strategy: object) -> None:
+    """One fit; a later one in the same process reuses the process group Lightning initialized."""
     L.seed_everything(0, verbose=False)
     restart = int(os.environ.get("SLURM_RESTART_COUNT", "0"))
-
-    strategy: object = "ragged_fsdp"
-    if args.replicate_degree is not None:
-        degree = args.replicate_degree
-        strategy = lr.RaggedFSDPStrategy(replicate_degree=degree if degree == "node" else int(degree))
     trainer = L.Trainer(
         strategy=strategy,
         accelerator="cpu",
@@ -155,8 +166,6 @@ def main() -> None:
                 "exit_s": round(time.monotonic() - START, 2),
             }
             (out / f"requeue-r{trainer.global_rank}-run{restart}.json").write_text(json.dumps(record))
-        if dist.is_initialized():  # a gloo group left to the interpreter's exit may abort the process
-            dist.destroy_process_group()
 
 
 def write_result(trainer: L.Trainer, model: Regression, out: Path, environment: str, restart: int) -> None:

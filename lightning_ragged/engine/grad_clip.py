@@ -66,6 +66,21 @@ def clip_grad_value_(parameters: ParamsOrModule, clip_value: float) -> None:
             grad.clamp_(min=-clip_value, max=clip_value)
 
 
+def clip_target(module: nn.Module | None, params: Iterable[torch.Tensor]) -> ParamsOrModule:
+    """What to clip for an optimizer's ``params``: the sharded ``module`` (one flat op per DBuffer) where that
+    clips exactly them, else the parameters. The module's flat buffers hold every gradient of the module, frozen
+    parameters' too: with two optimizers, the other one's parameters may keep last step's gradients, which
+    clipping this optimizer must neither count nor scale (as DDP's clipping of its parameters)."""
+    params = list(params)
+    if module is not None:
+        ids = {id(p) for p in params}
+        in_module = {id(p) for p in module.parameters()}
+        with_grad = {id(p) for p in module.parameters() if p.grad is not None}
+        if with_grad <= ids <= in_module:
+            return module
+    return params
+
+
 def _with_grads(parameters: nn.Module | list[torch.Tensor]) -> list[torch.Tensor]:
     """The parameters (the shards of a sharded module) that hold a gradient."""
     if isinstance(parameters, nn.Module):

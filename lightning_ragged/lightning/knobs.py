@@ -24,7 +24,7 @@ import inspect
 import math
 import reprlib
 from datetime import timedelta
-from typing import Any, Callable, Mapping, NoReturn
+from typing import Any, Callable, Mapping, NoReturn, Optional
 
 import torch.distributed as dist
 from torch import nn
@@ -415,6 +415,24 @@ def check_strategy_knobs(
             f"{owner}(replicate_degree='auto'): the auto-planner chooses the HSDP degree; pass it "
             "planning='auto' and memory_budget_bytes=... too (or a fixed replicate_degree)"
         )
+
+
+SUPPORTED_PRECISION = ("32-true", "bf16-mixed", "bf16-true", "16-true", "64-true")
+
+
+def unsupported_precision(owner: str, plugin: str, precision: Optional[str]) -> ValueError:
+    """The error for a precision (plugin) the strategies cannot run, with what to choose instead."""
+    if precision == "16-mixed":
+        return ValueError(
+            f"{owner} does not support `precision='16-mixed'`: fp16 AMP needs a gradient scaler whose inf/NaN check "
+            "is all-reduced over the shards, which is not implemented. Use `precision='bf16-mixed'` (same memory "
+            "and speed, no scaler needed), `'bf16-true'` or `'32-true'`."
+        )
+    return ValueError(
+        f"{owner} does not support the precision plugin {plugin}"
+        f"{f' (precision={precision!r})' if precision else ''}. "
+        f"Choose `precision=` among {', '.join(SUPPORTED_PRECISION)}."
+    )
 
 
 def _unknown_argument(owner: str, name: str, value: Any, accepted: tuple[str, ...]) -> str:

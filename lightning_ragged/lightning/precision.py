@@ -18,15 +18,14 @@ from __future__ import annotations
 
 from typing import Any, Optional, Union
 
-import torch
 from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision, Precision
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.optim import Optimizer
 
-from lightning_ragged.engine.grad_clip import clip_grad_norm_, clip_grad_value_
-
-SUPPORTED_PRECISION = ("32-true", "bf16-mixed", "bf16-true", "16-true", "64-true")
+from lightning_ragged.engine.grad_clip import clip_grad_norm_, clip_grad_value_, clip_target
+from lightning_ragged.lightning.knobs import unsupported_precision
+from lightning_ragged.lightning.sharding import mp_policy_for
 
 
 class _RaggedClipping:
@@ -41,19 +40,7 @@ class _RaggedClipping:
         clip_grad_value_(self._clip_target(optimizer), clip_val)
 
     def _clip_target(self, optimizer: Optimizer) -> Any:
-        """The module (one flat op per DBuffer) where that clips exactly ``optimizer``'s gradients, else its
-        parameters. The module's flat buffers hold every gradient of the module, frozen parameters' too:
-        after ``toggle_optimizer`` the other optimizer's parameters keep last step's gradients, which
-        clipping this optimizer must neither count nor scale (as DDP's clipping of its parameters)."""
-        params = list(self.main_params(optimizer))  # type: ignore[attr-defined]
-        module = self.sharded_module
-        if module is not None:
-            ids = {id(p) for p in params}
-            in_module = {id(p) for p in module.parameters()}
-            with_grad = {id(p) for p in module.parameters() if p.grad is not None}
-            if with_grad <= ids <= in_module:
-                return module
-        return params
+        return clip_target(self.sharded_module, self.main_params(optimizer))  # type: ignore[attr-defined]
 
     def mp_policy(self) -> Optional[MixedPrecisionPolicy]:
         return None
@@ -75,7 +62,7 @@ class RaggedMixedPrecision(_RaggedClipping, MixedPrecision):
     """``"bf16-mixed"``: bf16 all-gather and compute, fp32 gradient reduction and master shards."""
 
     def mp_policy(self) -> Optional[MixedPrecisionPolicy]:
-        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        return mp_policy_for(self.precision)
 
 
 def to_ragged_precision(plugin: Optional[Precision], strategy_name: str = "RaggedFSDPStrategy") -> Optional[Precision]:
@@ -91,13 +78,4 @@ def to_ragged_precision(plugin: Optional[Precision], strategy_name: str = "Ragge
         return RaggedHalfPrecision(plugin.precision)
     if type(plugin) is MixedPrecision and precision == "bf16-mixed":
         return RaggedMixedPrecision("bf16-mixed", plugin.device)
-    if precision == "16-mixed":
-        raise ValueError(
-            f"{strategy_name} does not support `precision='16-mixed'`: fp16 AMP needs a gradient scaler whose "
-            "inf/NaN check is all-reduced over the shards, which is not implemented. Use `precision='bf16-mixed'` "
-            "(same memory and speed, no scaler needed), `'bf16-true'` or `'32-true'`."
-        )
-    raise ValueError(
-        f"{strategy_name} does not support the precision plugin {type(plugin).__name__}"
-        f"{f' (precision={precision!r})' if precision else ''}. Choose `precision=` among {', '.join(SUPPORTED_PRECISION)}."
-    )
+    raise unsupported_precision(strategy_name, type(plugin).__name__, precision)

@@ -24,7 +24,6 @@ asynchronous saving. See docs/checkpoints.md.
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import os
 from contextlib import contextmanager
 from datetime import timedelta
@@ -56,25 +55,24 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 import lightning.pytorch as pl
-from lightning_ragged.checkpoint.dcp import release_meshes
-from lightning_ragged.engine.api import DEFAULT_DBUFFER_SIZE, auto_plan_for, fully_shard, get_state, no_sync
+from lightning_ragged.engine.api import DEFAULT_DBUFFER_SIZE, auto_plan_for, get_state, no_sync
 from lightning_ragged.layout.granularity import GranularityPolicy
 from lightning_ragged.lightning.callbacks import add_metrics_callback
 from lightning_ragged.lightning.checkpoint_io import LightningCheckpointIO
 from lightning_ragged.lightning.knobs import check_strategy_knobs, without_fsdp2_defaults
-from lightning_ragged.engine.meta_init import has_meta_tensors, materialize_meta_module
 from lightning_ragged.engine.torch_state_dict import hook_optimizer
 from lightning_ragged.lightning.preemption import attach as attach_slurm_requeue
 from lightning_ragged.lightning.model_summary import use_global_parameter_counts
 from lightning_ragged.lightning.precision import to_ragged_precision
+from lightning_ragged.lightning.sharding import (
+    ModuleSpec, hsdp_groups, replicate_degree_for, resolve_classes, shard_module,
+)
 from lightning_ragged.lightning.run_checks import (
     apply_sync_batchnorm, check_reused_module, describe, refuse_weight_averaging, remember_settings,
 )
 from lightning_ragged.observability.flight_recorder import configure_flight_recorder
 from lightning_ragged.observability.tuning import TUNING_FILE, read_recommendation
 
-ModuleSpec = Union[type, str]
-"""A module class, a dotted import path ``"pkg.mod.Class"``, or a bare class name matched in the model."""
 
 class RaggedFSDPStrategy(ParallelStrategy):
     """Fully sharded data parallel with ragged, structure-aware shards (veScale-FSDP) for Lightning.
@@ -332,13 +330,7 @@ class RaggedFSDPStrategy(ParallelStrategy):
     def _resolved_replicate_degree(self) -> int:
         if self.replicate_degree == "auto":
             return self._auto_replicate_degree()
-        degree = self.num_nodes if self.replicate_degree == "node" else int(self.replicate_degree)
-        if self.world_size % degree:
-            raise ValueError(
-                f"replicate_degree={self.replicate_degree!r} ({degree}) must divide the world size "
-                f"{self.world_size} (num_nodes={self.num_nodes} x devices={self.num_processes})"
-            )
-        return degree
+        return replicate_degree_for(self.replicate_degree, self.num_nodes, self.world_size)
 
     def _auto_replicate_degree(self) -> int:
         """``replicate_degree="auto"``: the HSDP degree the auto-planner chooses for this model and world.
@@ -348,7 +340,7 @@ class RaggedFSDPStrategy(ParallelStrategy):
         that degree and finds the same choice.
         """
         model = self.lightning_module
-        group_modules = _resolve_classes(model, self.group_modules, "group_modules") if self.group_modules else None
+        group_modules = resolve_classes(model, self.group_modules, "group_modules") if self.group_modules else None
         policy = self.precision_plugin.mp_policy()
         chosen, _ = auto_plan_for(
             model, self.world_size, None, self._engine_kwargs.get("memory_budget_bytes"),
@@ -362,31 +354,8 @@ class RaggedFSDPStrategy(ParallelStrategy):
         return chosen.replicate_degree
 
     def _build_process_groups(self) -> None:
-        """HSDP: shard groups of ``world/r`` consecutive ranks, replicate groups across them."""
-        self._destroy_process_groups()
-        degree = self._resolved_replicate_degree()
-        if degree == 1:
-            return
-        world, shard_size = self.world_size, self.world_size // degree
-        shard_ranks = [list(range(i * shard_size, (i + 1) * shard_size)) for i in range(degree)]
-        replicate_ranks = [list(range(j, world, shard_size)) for j in range(shard_size)]
-        self._shard_group, shard_groups = dist.new_subgroups_by_enumeration(shard_ranks, timeout=self._timeout)
-        self._replicate_group, replicate_groups = dist.new_subgroups_by_enumeration(
-            replicate_ranks, timeout=self._timeout
-        )
-        _LIVE_GROUPS.extend([*shard_groups, *replicate_groups])
-
-    def _destroy_process_groups(self) -> None:
-        """Destroy the HSDP groups any earlier run of this strategy class created (they outlive its teardown, so
-        ``trainer.save_checkpoint`` and ``full_state_dict`` still work after ``fit``), and the meshes holding them."""
-        release_meshes()
-        for group in _LIVE_GROUPS:
-            try:
-                dist.destroy_process_group(group)
-            except (ValueError, RuntimeError):  # this rank is not a member, or it is already gone
-                pass
-        _LIVE_GROUPS.clear()
-        self._shard_group = self._replicate_group = None
+        """HSDP: shard groups of ``world/r`` consecutive ranks, replicate groups across them (``sharding.py``)."""
+        self._shard_group, self._replicate_group = hsdp_groups(self._resolved_replicate_degree(), self._timeout)
 
     # ------------------------------------------------------------------ setup
     def setup(self, trainer: "pl.Trainer") -> None:
@@ -432,19 +401,16 @@ class RaggedFSDPStrategy(ParallelStrategy):
         return {key: describe(value) for key, value in settings.items()}
 
     def _shard(self, model: nn.Module) -> nn.Module:
-        on_meta = has_meta_tensors(model)
         model = self.precision_plugin.convert_module(model)  # bf16-true/16-true/64-true cast; no-op otherwise
-        for module in _match_modules(model, self.activation_checkpointing, "activation_checkpointing"):
-            from torch.distributed._composable import checkpoint
-
-            checkpoint(module)
-        if not on_meta:
-            model.to(self.root_device)
-        group_modules = None
-        if self.group_modules is not None:
-            group_modules = _resolve_classes(model, self.group_modules, "group_modules")
-        fully_shard(
+        # The root is the LightningModule: its forward's inputs are the whole batch, targets included, which DDP
+        # (and FSDP2 on the inner model) leave in fp32. The modules owning root parameters and the groups inside
+        # still cast theirs, as FSDP2's sharded modules do (also outside Lightning's autocast, e.g. in callbacks).
+        return shard_module(
             model,
+            device=self.root_device,
+            activation_checkpointing=self.activation_checkpointing,
+            group_modules=self.group_modules,
+            cast_root_inputs=False,
             process_group=self._shard_group,
             replicate_group=self._replicate_group,
             shard_granularity=self.shard_granularity,
@@ -453,19 +419,10 @@ class RaggedFSDPStrategy(ParallelStrategy):
             planning_algorithm=self.planning_algorithm,
             reshard_after_forward=self.reshard_after_forward,
             mp_policy=self.precision_plugin.mp_policy(),
-            group_modules=group_modules,
-            device=self.root_device,
             sync_module_states=self.sync_module_states,
             broadcast_buffers=self.broadcast_buffers,
             **self._engine_kwargs,
         )
-        # The root is the LightningModule: its forward's inputs are the whole batch, targets included, which DDP
-        # (and FSDP2 on the inner model) leave in fp32. The modules owning root parameters and the groups inside
-        # still cast theirs, as FSDP2's sharded modules do (also outside Lightning's autocast, e.g. in callbacks).
-        get_state(model).cast_root_inputs = False
-        if on_meta:
-            materialize_meta_module(model, self.root_device)
-        return model
 
     def _apply_recommendation(self) -> None:
         """``dbuffer_size="recommended"``: take the metrics callback's last recommendation.
@@ -652,34 +609,3 @@ class RaggedFSDPStrategy(ParallelStrategy):
         self.precision_plugin.teardown()
         self.accelerator.teardown()
         self.checkpoint_io.teardown()
-
-
-_LIVE_GROUPS: list[dist.ProcessGroup] = []
-"""HSDP groups built by a run and not destroyed yet: the next run's setup destroys them (or the process's exit)."""
-
-
-def _resolve_classes(model: nn.Module, specs: Sequence[ModuleSpec], knob: str) -> list[type]:
-    """Classes from classes, dotted import paths, or bare class names found in ``model``."""
-    classes: list[type] = []
-    by_name = {type(m).__name__: type(m) for m in model.modules()}
-    for spec in specs:
-        if isinstance(spec, type):
-            classes.append(spec)
-        elif isinstance(spec, str) and spec in by_name:
-            classes.append(by_name[spec])
-        elif isinstance(spec, str) and "." in spec:
-            module_name, _, class_name = spec.rpartition(".")
-            classes.append(getattr(importlib.import_module(module_name), class_name))
-        else:
-            raise ValueError(
-                f"{knob}: {spec!r} is neither a module class, an import path 'pkg.module.Class', nor the name "
-                f"of a module class in the model (found: {sorted(by_name)})"
-            )
-    return classes
-
-
-def _match_modules(model: nn.Module, specs: Sequence[ModuleSpec], knob: str) -> list[nn.Module]:
-    if not specs:
-        return []
-    classes = tuple(_resolve_classes(model, specs, knob))
-    return [module for module in model.modules() if isinstance(module, classes)]

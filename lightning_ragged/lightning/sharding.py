@@ -1,0 +1,139 @@
+"""Sharding a user's module for a Lightning strategy, Trainer or Fabric alike.
+
+Both strategies shard the same way: the HSDP process groups (``hsdp_groups``), then composable
+activation checkpointing, the move to the device, ``fully_shard`` with the strategy's knobs and
+materialization of a model built on the meta device group by group (``shard_module``). Module
+classes may be named by class, dotted import path or bare class name (``resolve_classes``).
+"""
+
+from __future__ import annotations
+
+import importlib
+from datetime import timedelta
+from typing import Any, Optional, Sequence, Union
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy
+
+from lightning_ragged.checkpoint.dcp import release_meshes
+from lightning_ragged.engine.api import fully_shard, get_state
+from lightning_ragged.engine.meta_init import has_meta_tensors, materialize_meta_module
+
+ModuleSpec = Union[type, str]
+"""A module class, a dotted import path ``"pkg.mod.Class"``, or a bare class name matched in the model."""
+
+_LIVE_GROUPS: list[dist.ProcessGroup] = []
+"""HSDP groups built by a run and not destroyed yet: the next run's setup destroys them (or the process's exit)."""
+
+
+def hsdp_groups(
+    degree: int, timeout: Optional[timedelta]
+) -> tuple[Optional[dist.ProcessGroup], Optional[dist.ProcessGroup]]:
+    """(shard group, replicate group) for HSDP of ``degree`` replicas; (None, None) for plain FSDP.
+
+    Shard groups are ``world/degree`` consecutive ranks; replicate groups take one rank of each.
+    Destroys the groups an earlier call built first (they outlive a run, so ``full_state_dict``
+    and saves still work after ``fit``), and the meshes holding them.
+    """
+    destroy_hsdp_groups()
+    if degree == 1:
+        return None, None
+    world = dist.get_world_size()
+    shard_size = world // degree
+    shard_ranks = [list(range(i * shard_size, (i + 1) * shard_size)) for i in range(degree)]
+    replicate_ranks = [list(range(j, world, shard_size)) for j in range(shard_size)]
+    shard_group, shard_groups = dist.new_subgroups_by_enumeration(shard_ranks, timeout=timeout)
+    replicate_group, replicate_groups = dist.new_subgroups_by_enumeration(replicate_ranks, timeout=timeout)
+    _LIVE_GROUPS.extend([*shard_groups, *replicate_groups])
+    return shard_group, replicate_group
+
+
+def destroy_hsdp_groups() -> None:
+    """Destroy every HSDP group ``hsdp_groups`` built and not destroyed yet."""
+    release_meshes()
+    for group in _LIVE_GROUPS:
+        try:
+            dist.destroy_process_group(group)
+        except (ValueError, RuntimeError):  # this rank is not a member, or it is already gone
+            pass
+    _LIVE_GROUPS.clear()
+
+
+def replicate_degree_for(replicate_degree: Union[int, str], num_nodes: int, world_size: int) -> int:
+    """The HSDP degree of ``replicate_degree`` (an int or ``"node"``), checked against the world size."""
+    degree = num_nodes if replicate_degree == "node" else int(replicate_degree)
+    if world_size % degree:
+        raise ValueError(
+            f"replicate_degree={replicate_degree!r} ({degree}) must divide the world size "
+            f"{world_size} (num_nodes={num_nodes} x devices={world_size // num_nodes})"
+        )
+    return degree
+
+
+def mp_policy_for(precision: Optional[str]) -> Optional[MixedPrecisionPolicy]:
+    """``"bf16-mixed"``: bf16 all-gathers and compute, fp32 reduction and master shards; else none (the
+    ``*-true`` precisions convert the module itself before sharding)."""
+    if precision == "bf16-mixed":
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return None
+
+
+def shard_module(
+    model: nn.Module,
+    *,
+    device: torch.device,
+    activation_checkpointing: Sequence[ModuleSpec] = (),
+    group_modules: Optional[Sequence[ModuleSpec]] = None,
+    cast_root_inputs: bool = True,
+    **fully_shard_kwargs: Any,
+) -> nn.Module:
+    """Checkpoint the matching modules' activations, move ``model`` to ``device`` and shard it in place.
+
+    A model with meta tensors stays where it is until ``fully_shard`` has planned it, then is
+    materialized group by group (``meta_init.py``). ``cast_root_inputs=False`` leaves the root
+    forward's inputs in their dtype under a mixed-precision policy (the Trainer's root is the
+    LightningModule, whose inputs hold the targets too).
+    """
+    on_meta = has_meta_tensors(model)
+    for module in match_modules(model, activation_checkpointing, "activation_checkpointing"):
+        from torch.distributed._composable import checkpoint
+
+        checkpoint(module)
+    if not on_meta:
+        model.to(device)
+    classes = resolve_classes(model, group_modules, "group_modules") if group_modules is not None else None
+    fully_shard(model, group_modules=classes, device=device, **fully_shard_kwargs)
+    get_state(model).cast_root_inputs = cast_root_inputs
+    if on_meta:
+        materialize_meta_module(model, device)
+    return model
+
+
+def resolve_classes(model: nn.Module, specs: Sequence[ModuleSpec], knob: str) -> list[type]:
+    """Classes from classes, dotted import paths, or bare class names found in ``model``."""
+    classes: list[type] = []
+    by_name = {type(m).__name__: type(m) for m in model.modules()}
+    for spec in specs:
+        if isinstance(spec, type):
+            classes.append(spec)
+        elif isinstance(spec, str) and spec in by_name:
+            classes.append(by_name[spec])
+        elif isinstance(spec, str) and "." in spec:
+            module_name, _, class_name = spec.rpartition(".")
+            classes.append(getattr(importlib.import_module(module_name), class_name))
+        else:
+            raise ValueError(
+                f"{knob}: {spec!r} is neither a module class, an import path 'pkg.module.Class', nor the name "
+                f"of a module class in the model (found: {sorted(by_name)})"
+            )
+    return classes
+
+
+def match_modules(model: nn.Module, specs: Sequence[ModuleSpec], knob: str) -> list[nn.Module]:
+    """The modules of ``model`` that are instances of the classes ``specs`` name."""
+    if not specs:
+        return []
+    classes = tuple(resolve_classes(model, specs, knob))
+    return [module for module in model.modules() if isinstance(module, classes)]

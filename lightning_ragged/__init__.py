@@ -19,6 +19,7 @@ __all__ = [
     "Float8AllGather",
     "FullyShardedDataParallel",
     "Layout",
+    "RaggedFSDPFabricStrategy",
     "RaggedFSDPStrategy",
     "RaggedShard",
     "RaggedShardBoundaryViolation",
@@ -38,7 +39,8 @@ __all__ = [
 
 # Lightning is imported only when the strategy is used (it costs seconds per process):
 # "ragged_fsdp" is registered as soon as Lightning's strategies module loads, and
-# `lightning_ragged.RaggedFSDPStrategy` (e.g. a LightningCLI class path) imports it on access.
+# `lightning_ragged.RaggedFSDPStrategy` (e.g. a LightningCLI class path) imports it on access (and
+# `RaggedFSDPFabricStrategy`, its Fabric counterpart).
 register_ragged_fsdp()
 
 
@@ -47,6 +49,10 @@ def __getattr__(name: str):
         from lightning_ragged.lightning.strategy import RaggedFSDPStrategy
 
         return RaggedFSDPStrategy
+    if name == "RaggedFSDPFabricStrategy":
+        from lightning_ragged.lightning.fabric_strategy import RaggedFSDPFabricStrategy
+
+        return RaggedFSDPFabricStrategy
     if name == "optim":  # `import lightning_ragged; lightning_ragged.optim.Muon` without a second import
         import importlib
 

@@ -267,7 +267,7 @@ def _check_coverage(module: nn.Module, groups: list[ShardGroup], trace: Trace,
             "cannot initialize a model built on the meta device: nothing initializes these tensors (they are "
             f"written neither by a module's `reset_parameters()`{hf}): {', '.join(missing)}. Give those modules "
             "a `reset_parameters()` that initializes their own parameters/buffers, or build the model without "
-            "`Trainer.init_module(empty_init=True)` / `torch.device('meta')`."
+            "`Trainer.init_module(empty_init=True)` / `fabric.init_module(empty_init=True)` / `torch.device('meta')`."
         )
 
 

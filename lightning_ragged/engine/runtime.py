@@ -374,7 +374,10 @@ def get_state(module: nn.Module) -> RaggedFSDPState:
     """The engine state of a sharded model; any of its submodules finds it too."""
     state = module.__dict__.get("_ragged_fsdp_state")
     if state is None:
-        raise ValueError(f"{type(module).__name__} is not sharded; call lightning_ragged.fully_shard(module) first")
+        wrapped = [name for name, child in module.named_children() if "_ragged_fsdp_state" in child.__dict__]
+        hint = (f"; it wraps the sharded module {wrapped[0]!r}: pass that (Fabric: `model.module`)" if wrapped
+                else "; call lightning_ragged.fully_shard(module) first")
+        raise ValueError(f"{type(module).__name__} is not sharded{hint}")
     return state
 
 

@@ -1,0 +1,141 @@
+"""A Fabric training script as a user writes it, run by ``tests/test_fabric.py`` (Fabric launches the ranks).
+
+``python tests/fabric_job.py OUT``: ``Fabric(strategy="ragged_fsdp", devices=2)`` trains the tiny LM
+with accumulation (``no_backward_sync``), clipping and AdamW, saves a sharded checkpoint midway,
+resumes it into a model built on the meta device, then reshards it into a second Fabric with HSDP
+(replicate_degree=2: every rank holds the whole model) that saves and reloads one full file; a third
+trains in ``precision="bf16-mixed"`` beside torch's FSDP2 with the same mixed-precision policy.
+Rank 0 writes every result to OUT for the test to compare with its one-process oracle.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import lightning as L
+import torch
+
+import lightning_ragged as lr
+from lightning_ragged.lightning.fabric_strategy import RaggedFSDPFabricStrategy
+from tests.models import TinyLM, lm_loss, make_batches, make_model
+
+STEPS, SAVE_AT, MICRO, BATCH, MAX_NORM, LR = 6, 3, 2, 4, 0.5, 1e-2
+"""Every step: MICRO micro-batches of BATCH sequences over the ranks; clipping at MAX_NORM is active (norms ~1)."""
+
+
+class MetaReadyLM(TinyLM):
+    """The tiny LM with an initializer for the parameter it owns, as a model built on the meta device needs."""
+
+    def reset_parameters(self) -> None:
+        torch.nn.init.normal_(self.pos, std=0.1)
+
+
+REDUCES: list[int] = []
+"""The engine's reductions during each micro-batch's backward, for every step ``train`` ran."""
+
+
+def train(fabric: L.Fabric, model, optimizer, batches: torch.Tensor, steps: range) -> list[float]:
+    """Steps of MICRO accumulated micro-batches, the gradients reduced once per step; the clipping norms."""
+    per_rank = BATCH // fabric.world_size
+    rank = fabric.global_rank
+    stats = lr.get_state(model.module).stats
+    norms = []
+    for step in steps:
+        for micro in range(MICRO):
+            tokens = batches[step, micro, rank * per_rank : (rank + 1) * per_rank]
+            before = stats.reduces
+            with fabric.no_backward_sync(model, enabled=micro < MICRO - 1):
+                fabric.backward(lm_loss(model, tokens) / MICRO)
+            REDUCES.append(stats.reduces - before)
+        norms.append(fabric.clip_gradients(model, optimizer, max_norm=MAX_NORM).item())
+        optimizer.step()
+        optimizer.zero_grad()
+    return norms
+
+
+def main(out: Path) -> None:
+    batches = make_batches(STEPS * MICRO, BATCH).view(STEPS, MICRO, BATCH, -1)
+    fabric = L.Fabric(accelerator="cpu", devices=2, strategy="ragged_fsdp")
+    fabric.launch()
+    results: dict = {"strategy": type(fabric.strategy).__name__}
+
+    # fabric.setup(model, optimizer): the optimizer was built on the unsharded parameters
+    model = make_model(seed=0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    model, optimizer = fabric.setup(model, optimizer)
+    norms = train(fabric, model, optimizer, batches, range(SAVE_AT))
+    fabric.save(out / "sharded", {"model": model, "optimizer": optimizer, "step": SAVE_AT})
+    norms += train(fabric, model, optimizer, batches, range(SAVE_AT, STEPS))
+    results["norms"], results["reduces"] = norms, list(REDUCES)
+    results["dbuffers"] = len(list(lr.get_state(model.module).dbuffers()))
+    results["uninterrupted"] = lr.full_state_dict(model.module)
+
+    # resume: a model built on the meta device, set up first, then its optimizer
+    with fabric.init_module(empty_init=True):
+        resumed = MetaReadyLM()
+    resumed = fabric.setup_module(resumed)
+    resumed_optimizer = fabric.setup_optimizers(torch.optim.AdamW(resumed.parameters(), lr=LR))
+    state = {"model": resumed, "optimizer": resumed_optimizer, "step": 0}
+    results["remainder"] = fabric.load(out / "sharded", state)
+    results["loaded_step"] = state["step"]
+    train(fabric, resumed, resumed_optimizer, batches, range(SAVE_AT, STEPS))
+    results["resumed"] = lr.full_state_dict(resumed.module)
+
+    # reshard: the world-2 checkpoint into HSDP with 2 replicas of 1 shard, then one full file
+    full = L.Fabric(
+        accelerator="cpu", devices=2, strategy=RaggedFSDPFabricStrategy(replicate_degree=2, state_dict_type="full")
+    )
+    full.launch()
+    replica = full.setup_module(make_model(seed=7))
+    replica_optimizer = full.setup_optimizers(torch.optim.AdamW(replica.parameters(), lr=LR))
+    full.load(out / "sharded", {"model": replica, "optimizer": replica_optimizer})
+    train(full, replica, replica_optimizer, batches, range(SAVE_AT, STEPS))
+    results["replica"] = lr.full_state_dict(replica.module)
+    full.save(out / "full.ckpt", {"model": replica, "optimizer": replica_optimizer, "step": STEPS})
+    reloaded = full.setup_module(make_model(seed=9))
+    state = {"model": reloaded, "step": 0}
+    full.load(out / "full.ckpt", state)
+    results["reloaded"], results["reloaded_step"] = lr.full_state_dict(reloaded.module), state["step"]
+
+    # bf16-mixed: the engine's mixed precision under Fabric's autocast, beside torch's FSDP2 with the same policy
+    mixed = L.Fabric(accelerator="cpu", devices=2, strategy="ragged_fsdp", precision="bf16-mixed")
+    mixed.launch()
+    ragged = mixed.setup_module(make_model(seed=0))
+    ragged_optimizer = mixed.setup_optimizers(torch.optim.AdamW(ragged.parameters(), lr=LR))
+    train(mixed, ragged, ragged_optimizer, batches, range(SAVE_AT))
+    results["bf16_dtypes"] = sorted(
+        {f"{d.master_dtype}/{d.param_dtype}/{d.reduce_dtype}" for d in lr.get_state(ragged.module).dbuffers()}
+    )
+    results["bf16_ragged"] = lr.full_state_dict(ragged.module)
+    results["bf16_fsdp2"] = train_fsdp2_bf16(batches, mixed.global_rank, mixed.world_size)
+    if fabric.global_rank == 0:
+        torch.save(results, out / "results.pt")
+
+
+def train_fsdp2_bf16(batches: torch.Tensor, rank: int, world: int) -> dict[str, torch.Tensor]:
+    """The same SAVE_AT steps with torch's FSDP2 (each block, then the root) and autocast, as its users write it."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.tensor import DTensor
+
+    model = make_model(seed=0)
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for block in model.blocks:
+        fully_shard(block, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    per_rank = BATCH // world
+    for step in range(SAVE_AT):
+        for micro in range(MICRO):
+            model.set_requires_gradient_sync(micro == MICRO - 1)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = lm_loss(model, batches[step, micro, rank * per_rank : (rank + 1) * per_rank]) / MICRO
+            loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+        optimizer.step()
+        optimizer.zero_grad()
+    return {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in model.state_dict().items()}
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))

@@ -1,0 +1,155 @@
+"""Lightning Fabric: ``Fabric(strategy="ragged_fsdp")`` against one-process training of the same model.
+
+``tests/fabric_job.py`` is the user's script (Fabric's launcher starts its second rank); one run,
+started once by a module-scoped fixture, holds every result. The oracle trains the same model on
+the same global batches in this process with torch alone (``clip_grad_norm_``, AdamW).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from tests.fabric_job import BATCH, LR, MAX_NORM, MICRO, SAVE_AT, STEPS
+from tests.models import lm_loss, make_batches, make_model
+from tests.test_strategy import ROOT, _clean_env
+
+FP32_TOL = 1e-5
+"""fp32 training of a few steps where only the reduction order differs from one process (as the other suites)."""
+
+
+@pytest.fixture(scope="module")
+def fabric_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path]:
+    out = tmp_path_factory.mktemp("fabric")
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "fabric_job.py"), str(out)], env=_clean_env(), cwd=ROOT,
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, f"fabric run failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
+    return torch.load(out / "results.pt", weights_only=True), out
+
+
+@pytest.fixture(scope="module")
+def oracle() -> tuple[dict[str, torch.Tensor], list[float], dict[str, torch.Tensor]]:
+    """The same steps in one process: the whole global batch per micro-batch, torch's clipping; (final state,
+    clipping norms, state after SAVE_AT steps)."""
+    batches = make_batches(STEPS * MICRO, BATCH).view(STEPS, MICRO, BATCH, -1)
+    model = make_model(seed=0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    norms = []
+    for step in range(STEPS):
+        for micro in range(MICRO):
+            (lm_loss(model, batches[step, micro]) / MICRO).backward()
+        norms.append(nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM).item())
+        optimizer.step()
+        optimizer.zero_grad()
+        if step == SAVE_AT - 1:
+            midway = {k: v.clone() for k, v in model.state_dict().items()}
+    return model.state_dict(), norms, midway
+
+
+def _max_diff(state: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> float:
+    assert set(state) == set(reference)
+    return max((state[key] - reference[key]).abs().max().item() for key in reference)
+
+
+def test_fabric_trains_like_one_process(fabric_run, oracle) -> None:
+    """Joint ``fabric.setup(model, optimizer)``, accumulation under ``no_backward_sync``, active clipping."""
+    results, _ = fabric_run
+    reference, norms, _ = oracle
+    assert results["strategy"] == "RaggedFSDPFabricStrategy"  # the registered name
+    assert min(norms) > MAX_NORM  # the clipping acts at every step
+    assert results["norms"] == pytest.approx(norms, rel=FP32_TOL)
+    # no reduction in the accumulating micro-batch, one per DBuffer in the last
+    assert results["reduces"] == [0, results["dbuffers"]] * STEPS
+    assert _max_diff(results["uninterrupted"], reference) < FP32_TOL
+
+
+def test_fabric_checkpoint_resumes_bit_identically(fabric_run) -> None:
+    """Saved at step 3, loaded into a model built on the meta device (setup first, then its optimizer)."""
+    results, _ = fabric_run
+    assert results["loaded_step"] == SAVE_AT and results["remainder"] == {}
+    assert all(torch.equal(results["resumed"][k], v) for k, v in results["uninterrupted"].items())
+
+
+def test_fabric_checkpoint_reshards_into_hsdp_and_one_full_file(fabric_run, oracle) -> None:
+    """The world-2 shards load into 2 replicas of 1 shard (another layout), train on, save one full file."""
+    results, out = fabric_run
+    reference, _, _ = oracle
+    assert _max_diff(results["replica"], reference) < FP32_TOL
+    full = torch.load(out / "full.ckpt", weights_only=True)
+    assert full["step"] == STEPS and len(full["optimizer_states"]) == 1
+    assert full["fabric_state"] == {"module": "model", "optimizers": ["optimizer"]}
+    assert all(torch.equal(full["state_dict"][k], v) for k, v in results["replica"].items())
+    assert results["reloaded_step"] == STEPS
+    assert all(torch.equal(results["reloaded"][k], v) for k, v in results["replica"].items())
+
+
+def test_fabric_bf16_mixed_matches_fsdp2_with_the_same_policy(fabric_run, oracle) -> None:
+    """fp32 master shards, bf16 all-gathers and compute, fp32 reduction, as torch's FSDP2 with
+    ``MixedPrecisionPolicy(bf16, fp32)``: both differ from fp32 training by bf16 rounding (the oracle's
+    distance), and from each other at most by a tenth of it (reduction order is fp32 rounding)."""
+    results, _ = fabric_run
+    _, _, midway = oracle
+    assert results["bf16_dtypes"] == ["torch.float32/torch.bfloat16/torch.float32"]
+    bf16_distance = _max_diff(results["bf16_fsdp2"], midway)
+    assert bf16_distance > FP32_TOL  # bf16 did round the training
+    assert _max_diff(results["bf16_ragged"], results["bf16_fsdp2"]) <= 0.1 * bf16_distance
+
+
+# ------------------------------------------------------------ in-process (no processes)
+def test_fabric_refuses_bad_settings_before_launch() -> None:
+    import lightning as L
+    from lightning.fabric.plugins.precision import MixedPrecision, Precision
+
+    from lightning_ragged.lightning.fabric_strategy import RaggedFSDPFabricStrategy
+
+    fabric = L.Fabric(accelerator="cpu", devices=2, strategy="ragged_fsdp", precision="bf16-mixed")
+    assert type(fabric.strategy).__name__ == "RaggedFSDPFabricStrategy"
+    with pytest.raises(ValueError, match="16-mixed.*bf16-mixed"):
+        RaggedFSDPFabricStrategy(precision=MixedPrecision("16-mixed", "cpu"))
+    with pytest.raises(ValueError, match="precision plugin Custom.*32-true"):
+        RaggedFSDPFabricStrategy(precision=type("Custom", (Precision,), {})())
+    with pytest.raises(ValueError, match="dbuffer_size='recommended'.*pass the bytes"):
+        RaggedFSDPFabricStrategy(dbuffer_size="recommended")
+    with pytest.raises(ValueError, match="replicate_degree='auto'.*'node'"):
+        RaggedFSDPFabricStrategy(replicate_degree="auto")
+    with pytest.raises(TypeError, match="did you mean shard_granularity='row'"):
+        RaggedFSDPFabricStrategy(shard_granularty="row")
+
+
+class _Sharded(nn.Linear):
+    """Passes the sharded-module check without a process group: the checks below run before any collective."""
+
+    def __init__(self) -> None:
+        super().__init__(2, 2)
+        self._ragged_fsdp_state = object()
+
+
+def test_fabric_checkpoint_states_get_named_errors(tmp_path) -> None:
+    from lightning_ragged.engine.runtime import get_state
+    from lightning_ragged.lightning import fabric_checkpoints
+    from lightning_ragged.lightning.checkpoint_io import LightningCheckpointIO
+
+    io = LightningCheckpointIO()
+    with pytest.raises(ValueError, match=r"exactly one module.*'model' \(not sharded\)"):
+        fabric_checkpoints.save(io, tmp_path / "c", {"model": nn.Linear(2, 2)})
+    with pytest.raises(ValueError, match="'optimizer_0' is reserved"):
+        fabric_checkpoints.save(io, tmp_path / "c", {"model": _Sharded(), "optimizer_0": 1})
+    model = _Sharded()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(NotImplementedError, match="optimizer's state cannot be filtered"):
+        fabric_checkpoints.save(io, tmp_path / "c", {"model": model, "opt": optimizer}, {"opt": lambda k, v: True})
+    with pytest.raises(ValueError, match="load it with its module"):
+        fabric_checkpoints.load(io, tmp_path, optimizer)
+    with pytest.raises(ValueError, match="needs the state to restore in place"):
+        fabric_checkpoints.load(io, tmp_path, None)
+    wrapper = nn.Sequential()
+    wrapper.add_module("_forward_module", model)
+    with pytest.raises(ValueError, match="wraps the sharded module '_forward_module'.*model.module"):
+        get_state(wrapper)

@@ -4,7 +4,8 @@
 with accumulation (``no_backward_sync``), clipping and AdamW, saves a sharded checkpoint midway,
 resumes it into a model built on the meta device, then reshards it into a second Fabric with HSDP
 (replicate_degree=2: every rank holds the whole model) that saves and reloads one full file; a third
-trains in ``precision="bf16-mixed"`` beside torch's FSDP2 with the same mixed-precision policy.
+trains in ``precision="bf16-mixed"`` beside torch's FSDP2 with the same mixed-precision policy, and a
+fourth saves asynchronously as the script's last statement.
 Rank 0 writes every result to OUT for the test to compare with its one-process oracle.
 """
 
@@ -109,8 +110,15 @@ def main(out: Path) -> None:
     )
     results["bf16_ragged"] = lr.full_state_dict(ragged.module)
     results["bf16_fsdp2"] = train_fsdp2_bf16(batches, mixed.global_rank, mixed.world_size)
+
+    # an asynchronous save as the script's last act: Fabric has no teardown, the process just ends
+    last = L.Fabric(accelerator="cpu", devices=2, strategy=RaggedFSDPFabricStrategy(async_checkpoint=True))
+    last.launch()
+    final = last.setup_module(make_model(seed=11))
+    results["async_saved"] = lr.full_state_dict(final.module)
     if fabric.global_rank == 0:
         torch.save(results, out / "results.pt")
+    last.save(out / "async", {"model": final, "step": STEPS})
 
 
 def train_fsdp2_bf16(batches: torch.Tensor, rank: int, world: int) -> dict[str, torch.Tensor]:

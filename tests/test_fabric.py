@@ -102,6 +102,16 @@ def test_fabric_bf16_mixed_matches_fsdp2_with_the_same_policy(fabric_run, oracle
     assert _max_diff(results["bf16_ragged"], results["bf16_fsdp2"]) <= 0.1 * bf16_distance
 
 
+def test_fabric_async_save_completes_when_the_script_ends(fabric_run, tmp_path) -> None:
+    """The background write and the publish finish before the processes exit (no teardown call needed)."""
+    from lightning_ragged.checkpoint import consolidate
+
+    results, out = fabric_run
+    full = torch.load(consolidate(out / "async", tmp_path / "async.ckpt"), weights_only=True)
+    assert full["step"] == STEPS
+    assert all(torch.equal(full["state_dict"][k], v) for k, v in results["async_saved"].items())
+
+
 # ------------------------------------------------------------ in-process (no processes)
 def test_fabric_refuses_bad_settings_before_launch() -> None:
     import lightning as L

@@ -29,18 +29,10 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.fabric.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision, Precision
 from lightning.fabric.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.fabric.strategies.parallel import ParallelStrategy
-from lightning.fabric.strategies.strategy import TBroadcast, _BackwardSyncControl
-from lightning.fabric.utilities.distributed import (
-    _distributed_is_initialized,
-    _get_default_process_group_backend_for_device,
-    _init_dist_connection,
-    _sync_ddp_if_available,
-)
-from lightning.fabric.utilities.distributed import group as _group
-from lightning.fabric.utilities.rank_zero import rank_zero_only
+from lightning.fabric.strategies.strategy import _BackwardSyncControl
+from lightning.fabric.utilities.distributed import _get_default_process_group_backend_for_device, _init_dist_connection
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import ReduceOp
-from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
@@ -50,6 +42,7 @@ from lightning_ragged.engine.torch_state_dict import hook_optimizer
 from lightning_ragged.layout.granularity import GranularityPolicy
 from lightning_ragged.lightning import fabric_checkpoints
 from lightning_ragged.lightning.checkpoint_io import LightningCheckpointIO
+from lightning_ragged.lightning.parallel import RaggedParallel
 from lightning_ragged.lightning.knobs import check_strategy_knobs, unsupported_precision, without_fsdp2_defaults
 from lightning_ragged.lightning.sharding import (
     ModuleSpec, hsdp_groups, mp_policy_for, replicate_degree_for, shard_module,
@@ -57,7 +50,7 @@ from lightning_ragged.lightning.sharding import (
 from lightning_ragged.observability.flight_recorder import configure_flight_recorder
 
 
-class RaggedFSDPFabricStrategy(ParallelStrategy):
+class RaggedFSDPFabricStrategy(RaggedParallel, ParallelStrategy):
     """Fully sharded data parallel with ragged, structure-aware shards for Lightning Fabric.
 
     The knobs are ``RaggedFSDPStrategy``'s (see there), checked here before any process starts,
@@ -138,32 +131,6 @@ class RaggedFSDPFabricStrategy(ParallelStrategy):
 
     # ------------------------------------------------------------- properties
     @property
-    def root_device(self) -> torch.device:
-        assert self.parallel_devices is not None
-        return self.parallel_devices[self.local_rank]
-
-    @property
-    def num_nodes(self) -> int:
-        return self._num_nodes
-
-    @num_nodes.setter
-    def num_nodes(self, num_nodes: int) -> None:
-        self._num_nodes = num_nodes
-
-    @property
-    def num_processes(self) -> int:
-        return len(self.parallel_devices) if self.parallel_devices is not None else 0
-
-    @property
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        # Shard and replicate groups are both data parallel: every rank reads its own data.
-        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
-
-    @property
-    def process_group_backend(self) -> Optional[str]:
-        return self._process_group_backend
-
-    @property
     def precision(self) -> Precision:
         return self._precision if self._precision is not None else Precision()
 
@@ -182,10 +149,7 @@ class RaggedFSDPFabricStrategy(ParallelStrategy):
     def setup_environment(self) -> None:
         super().setup_environment()
         reset_seed()
-        assert self.cluster_environment is not None
-        self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
-        self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+        self.set_world_ranks()
         self._process_group_backend = self._process_group_backend or _get_default_process_group_backend_for_device(
             self.root_device
         )
@@ -269,24 +233,7 @@ class RaggedFSDPFabricStrategy(ParallelStrategy):
     def all_reduce(
         self, tensor: Tensor, group: Optional[Any] = None, reduce_op: Optional[Union[ReduceOp, str]] = "mean"
     ) -> Tensor:
-        if isinstance(tensor, Tensor):
-            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
-        return tensor
-
-    def barrier(self, *args: Any, **kwargs: Any) -> None:
-        if not _distributed_is_initialized():
-            return
-        if dist.get_backend() == "nccl":
-            dist.barrier(device_ids=[self.root_device.index])
-        else:
-            dist.barrier()
-
-    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
-        if not _distributed_is_initialized():
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src, group=_group.WORLD)
-        return box[0]
+        return self._all_reduce(tensor, group, reduce_op)
 
     # ---------------------------------------------------------- checkpoints
     def save_checkpoint(

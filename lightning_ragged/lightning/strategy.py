@@ -34,23 +34,15 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.utilities.distributed import (
-    _distributed_is_initialized,
-    _get_default_process_group_backend_for_device,
-    _init_dist_connection,
-    _sync_ddp_if_available,
-)
-from lightning.fabric.utilities.distributed import group as _group
+from lightning.fabric.utilities.distributed import _get_default_process_group_backend_for_device, _init_dist_connection
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
-from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
-from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
@@ -63,6 +55,7 @@ from lightning_ragged.lightning.knobs import check_strategy_knobs, without_fsdp2
 from lightning_ragged.engine.torch_state_dict import hook_optimizer
 from lightning_ragged.lightning.preemption import attach as attach_slurm_requeue
 from lightning_ragged.lightning.model_summary import use_global_parameter_counts
+from lightning_ragged.lightning.parallel import RaggedParallel
 from lightning_ragged.lightning.precision import to_ragged_precision
 from lightning_ragged.lightning.sharding import (
     ModuleSpec, hsdp_groups, replicate_degree_for, resolve_classes, shard_module,
@@ -74,7 +67,7 @@ from lightning_ragged.observability.flight_recorder import configure_flight_reco
 from lightning_ragged.observability.tuning import TUNING_FILE, read_recommendation
 
 
-class RaggedFSDPStrategy(ParallelStrategy):
+class RaggedFSDPStrategy(RaggedParallel, ParallelStrategy):
     """Fully sharded data parallel with ragged, structure-aware shards (veScale-FSDP) for Lightning.
 
     Args:
@@ -227,32 +220,6 @@ class RaggedFSDPStrategy(ParallelStrategy):
         return True
 
     @property
-    def root_device(self) -> torch.device:
-        assert self.parallel_devices is not None
-        return self.parallel_devices[self.local_rank]
-
-    @property
-    def num_nodes(self) -> int:
-        return self._num_nodes
-
-    @num_nodes.setter
-    def num_nodes(self, num_nodes: int) -> None:
-        self._num_nodes = num_nodes
-
-    @property
-    def num_processes(self) -> int:
-        return len(self.parallel_devices) if self.parallel_devices is not None else 0
-
-    @property
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        # Shard and replicate groups are both data parallel: every rank reads its own data.
-        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
-
-    @property
-    def process_group_backend(self) -> Optional[str]:
-        return self._process_group_backend
-
-    @property
     def restore_checkpoint_after_setup(self) -> bool:
         return True
 
@@ -320,12 +287,6 @@ class RaggedFSDPStrategy(ParallelStrategy):
     def _flight_recorder_dir(self) -> Path:
         """Where NCCL's flight recorder dumps on a timeout: ``<default_root_dir>/flight_recorder`` (docs/operations.md)."""
         return Path(self._default_root_dir()) / "flight_recorder"
-
-    def set_world_ranks(self) -> None:
-        if self.cluster_environment is not None:
-            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
-            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
 
     def _resolved_replicate_degree(self) -> int:
         if self.replicate_degree == "auto":
@@ -508,27 +469,10 @@ class RaggedFSDPStrategy(ParallelStrategy):
             yield None
 
     # ---------------------------------------------------------- collectives
-    def barrier(self, name: Optional[str] = None) -> None:
-        if not _distributed_is_initialized():
-            return
-        if dist.get_backend() == "nccl":
-            dist.barrier(device_ids=[self.root_device.index])
-        else:
-            dist.barrier()
-
-    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
-        if not _distributed_is_initialized():
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src, group=_group.WORLD)
-        return box[0]
-
     def reduce(
         self, tensor: Union[Tensor, Any], group: Optional[Any] = None, reduce_op: Optional[Union[ReduceOp, str]] = "mean"
     ) -> Union[Tensor, Any]:
-        if isinstance(tensor, Tensor):
-            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
-        return tensor
+        return self._all_reduce(tensor, group, reduce_op)
 
     # ---------------------------------------------------------- checkpoints
     # All checkpoint behaviour lives in `lightning/checkpoint_io.py`, over `lightning_ragged/checkpoint/` (issue 5).

@@ -1,8 +1,8 @@
 """Real Trainer runs on ``transformers`` models for ``tests/test_hf_models.py``.
 
-``python tests/hf_runs.py OUT.json``: Lightning's subprocess launcher re-runs this script for
-the second rank, so one invocation fits every model under ``strategy="ddp"`` and
-``strategy="ragged_fsdp"`` in the same two processes. Each rank computes its own numbers; the
+``tests/lightning_runs.py``'s main mode calls ``run_kind`` for every kind in its two processes
+(one start-up for the Trainer checks of several files): each model is fit under ``strategy="ddp"``
+and ``strategy="ragged_fsdp"``. Each rank computes its own numbers; the
 worst value over ranks is all-reduced and rank 0 writes the JSON the test reads. A failure of
 one model's ragged fit is recorded (``<kind>_error``) instead of ending the run, so the
 other models still report.
@@ -12,15 +12,12 @@ Models are built from tiny configs with random init: nothing is downloaded.
 
 from __future__ import annotations
 
-import json
 import sys
 import traceback
 import warnings
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from tests.clean_exit import exit_without_teardown  # noqa: E402
 
 import lightning.pytorch as L  # noqa: E402
 import torch  # noqa: E402
@@ -121,17 +118,3 @@ def run_kind(results: dict, kind: str) -> None:
         results[f"{kind}_root_fraction"] = None if fraction is None else float(fraction)
     except Exception:  # recorded for the test to report; the DDP oracle ran, so the run goes on
         results[f"{kind}_error"] = traceback.format_exc()[-4000:]
-
-
-def main() -> None:
-    out = sys.argv[1]
-    results: dict = {}
-    for kind in KINDS:
-        run_kind(results, kind)
-    if dist.get_rank() == 0:
-        Path(out).write_text(json.dumps(results, indent=1))
-
-
-if __name__ == "__main__":
-    main()
-    exit_without_teardown()

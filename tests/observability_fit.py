@@ -1,8 +1,8 @@
-"""A 2-process CPU ``Trainer.fit`` with ``RaggedFSDPMetrics`` and the monitor endpoint (run by a test).
+"""A 2-process CPU ``Trainer.fit`` with ``RaggedFSDPMetrics`` and the monitor endpoint (``tests/metrics_fits.py`` runs it).
 
-``python tests/observability_fit.py OUT_JSON PORT``. Rank 0 queries ``/health`` and
-``/metrics`` over loopback in the middle of the fit, checks after ``fit`` that the port
-is closed, and writes what it saw, the logged metrics and the planned buffer sizes.
+Rank 0 queries ``/health`` and ``/metrics`` over loopback in the middle of the fit, checks
+after ``fit`` that the port is closed, and writes what it saw, the logged metrics and the
+planned buffer sizes.
 """
 
 from __future__ import annotations
@@ -15,8 +15,6 @@ import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from tests.clean_exit import exit_without_teardown  # noqa: E402
 
 import torch  # noqa: E402
 import lightning.pytorch as pl  # noqa: E402
@@ -83,8 +81,7 @@ class ProbeEndpoint(pl.Callback):
             self.seen["metrics"] = response.read().decode()
 
 
-def main() -> None:
-    out, port = sys.argv[1], int(sys.argv[2])
+def main(out: Path, port: int) -> None:
     data = make_batches(1, STEPS * 2 * 2)[0]  # 2 ranks x 2 sequences per step
     logger = MemoryLogger()
     probe = ProbeEndpoint(port)
@@ -124,9 +121,4 @@ def main() -> None:
         for index, dbuffer in enumerate(group.dbuffers)
     ]
     records = [(step, {k: v for k, v in m.items() if k.startswith("ragged_fsdp/")}) for step, m in logger.records]
-    Path(out).write_text(json.dumps(dict(seen=probe.seen, after_fit=after, buffers=buffers, records=records)))
-
-
-if __name__ == "__main__":
-    main()
-    exit_without_teardown()
+    out.write_text(json.dumps(dict(seen=probe.seen, after_fit=after, buffers=buffers, records=records)))

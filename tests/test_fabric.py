@@ -90,6 +90,18 @@ def test_fabric_checkpoint_reshards_into_hsdp_and_one_full_file(fabric_run, orac
     assert all(torch.equal(results["reloaded"][k], v) for k, v in results["replica"].items())
 
 
+def test_fabric_load_raw_and_a_filtered_save(fabric_run) -> None:
+    """``load_raw`` slices a plain state-dict file into the shards; a save filtered to the norms, loaded with
+    ``strict=False``, sets exactly those and leaves every other tensor as it was (LoRA-style partial saves)."""
+    results, _ = fabric_run
+    replica, before, after = results["replica"], results["partial_before"], results["partial"]
+    assert all(torch.equal(results["raw"][k], v) for k, v in replica.items())
+    norms = {k for k in replica if "norm" in k}
+    assert norms and all(torch.equal(after[k], replica[k]) for k in norms)
+    assert all(torch.equal(after[k], before[k]) for k in replica if k not in norms)
+    assert any(not torch.equal(before[k], replica[k]) for k in norms)  # the load did change them
+
+
 def test_fabric_bf16_mixed_matches_fsdp2_with_the_same_policy(fabric_run, oracle) -> None:
     """fp32 master shards, bf16 all-gathers and compute, fp32 reduction, as torch's FSDP2 with
     ``MixedPrecisionPolicy(bf16, fp32)``: both differ from fp32 training by bf16 rounding (the oracle's

@@ -2,7 +2,7 @@
 
 * Encoder-decoders (T5, BART) through ``Trainer(strategy="ragged_fsdp")`` against
   ``strategy="ddp"``: losses and parameters, and both stacks grouped per block
-  (``tests/hf_runs.py`` runs the Trainers; one launcher invocation for all of them).
+  (``tests/hf_runs.py``'s fits, run in ``tests/lightning_runs.py``'s main mode: one start-up).
 * The FSDP2 call pattern on a Llama (``fully_shard`` per layer, then the root) and the
   FSDP2 module methods (``set_requires_gradient_sync``, ``unshard``/``reshard``,
   ``set_reshard_after_backward``, ``set_modules_to_*_prefetch``) against one process
@@ -14,11 +14,7 @@
 
 from __future__ import annotations
 
-import json
 import math
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -26,9 +22,6 @@ from torch.distributed.fsdp import FSDPModule
 
 pytest.importorskip("transformers")
 
-ROOT = Path(__file__).resolve().parents[1]
-RUNS = ROOT / "tests" / "hf_runs.py"
-RUN_TIMEOUT_S = 300
 FP32_TOL = 1e-5
 LR = 1e-3
 ADAM_EPS = 1e-6
@@ -113,14 +106,9 @@ def _train_reference(model, batches, loss_fn=_lm_loss, zero_unused: bool = False
 
 # ------------------------------------------- 1. encoder-decoder through the Trainer (launcher)
 @pytest.fixture(scope="module")
-def seq2seq_run(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    from tests.test_strategy import _clean_env
-
-    out = tmp_path_factory.mktemp("hf_runs") / "results.json"
-    proc = subprocess.run([sys.executable, str(RUNS), str(out)], env=_clean_env(), cwd=ROOT, capture_output=True,
-                          text=True, timeout=RUN_TIMEOUT_S)
-    assert proc.returncode == 0 and out.exists(), f"hf run failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
-    return json.loads(out.read_text())
+def seq2seq_run(main_run: dict) -> dict:
+    """The fits of ``tests/hf_runs.py``, run in ``tests/lightning_runs.py``'s main mode (one start-up)."""
+    return main_run["hf"]
 
 
 @pytest.mark.parametrize("kind", SEQ2SEQ_KINDS)

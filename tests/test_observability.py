@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import socket
 import subprocess
 import sys
 import time
@@ -260,24 +258,10 @@ def test_oom_during_unshard_names_group_and_knob(dist_pool):
 
 
 # ------------------------------------------------------------------ Lightning fit (one run)
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
-def fit_run(tmp_path_factory):
-    """One 2-process ``Trainer.fit`` with the metrics callback and the endpoint (about 40 s)."""
-    out = tmp_path_factory.mktemp("fit") / "fit.json"
-    port = _free_port()
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(
-        [sys.executable, str(ROOT / "tests" / "observability_fit.py"), str(out), str(port)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return json.loads(out.read_text())
+def fit_run(metrics_fits):
+    """One 2-process ``Trainer.fit`` with the metrics callback and the endpoint (``tests/metrics_fits.py``)."""
+    return json.loads((metrics_fits / "observability.json").read_text())
 
 
 def test_callback_logs_named_keys_with_planned_bytes(fit_run):

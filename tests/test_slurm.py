@@ -58,7 +58,7 @@ JOB_SCRIPT = REPO / "tests" / "slurm_job.py"
 # Every process start (torch + Lightning imports) costs ~7 s of CPU on 2 cores, more than 100 steps do:
 # the runs are short and the trials few; each CI run draws new signal steps.
 MAX_STEPS = 100
-TRIALS = 2
+TRIALS = 1
 SIGNAL_STEPS = (5, MAX_STEPS - 25)  # the step after which SIGUSR1 is sent is drawn from this range
 TOTAL_DEADLINE_S = 300.0  # every job of the file; a healthy run takes 1-2 minutes on 2 cores
 REQUEUE_DEADLINE_S = 90.0  # from the signal until the job is pending again (a deadlock ends here)

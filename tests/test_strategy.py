@@ -42,11 +42,6 @@ def _run_mode(mode: str, tmp_path_factory: pytest.TempPathFactory) -> dict:
     return json.loads(out.read_text())
 
 
-@pytest.fixture(scope="module")
-def main_run(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    return _run_mode("main", tmp_path_factory)
-
-
 # ------------------------------------------------------------ in-process (no processes)
 def test_registered_name_builds_the_strategy_and_ragged_precision() -> None:
     import lightning.pytorch as L

@@ -10,9 +10,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
-import sys
 from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
@@ -33,7 +30,6 @@ from lightning_ragged.observability.tuning import (
     write_recommendation,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
 MiB, GiB = 2**20, 2**30
 
 BLOCK = GroupSize("layers.0", (100 * MiB, 100 * MiB, 40 * MiB), unsharded_bytes=240 * MiB, largest_param_bytes=30 * MiB)
@@ -172,14 +168,9 @@ def test_strategy_resolves_recommended_at_setup(tmp_path) -> None:
 
 
 @pytest.fixture(scope="module")
-def fits(tmp_path_factory) -> dict:
-    """Three 2-process fits in one launch (about 15 s): measured, recommended, explicit oracle."""
-    out = tmp_path_factory.mktemp("tuning") / "out.json"
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, str(ROOT / "tests" / "tuning_fit.py"), str(out)],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return json.loads(out.read_text())
+def fits(metrics_fits) -> dict:
+    """Three 2-process fits (``tests/metrics_fits.py``): measured, recommended, explicit oracle."""
+    return json.loads((metrics_fits / "tuning.json").read_text())
 
 
 def test_callback_logs_and_writes_the_recommendation(fits) -> None:

@@ -1,6 +1,4 @@
-"""2-process CPU fits for ``tests/test_tuning.py``: ``python tests/tuning_fit.py OUT_JSON``.
-
-Lightning's launcher re-runs this script for rank 1, so the three fits share one start-up:
+"""2-process CPU fits for ``tests/test_tuning.py`` (``tests/metrics_fits.py`` runs them, in one start-up):
 
 1. ``dbuffer_size=SMALL`` (every block split into several DBuffers) with the metrics
    callback: it logs the recommendation and writes ``ragged_fsdp_tuning.json`` at fit end;
@@ -20,7 +18,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tests.clean_exit import exit_without_teardown  # noqa: E402
 
 import lightning_ragged  # noqa: E402,F401  (registers "ragged_fsdp")
 from lightning_ragged import RaggedFSDPStrategy, get_state  # noqa: E402
@@ -73,7 +70,3 @@ def main(out: Path) -> None:
     if results["measured"]["rank"] == 0:
         out.write_text(json.dumps(results))
 
-
-if __name__ == "__main__":
-    main(Path(sys.argv[1]))
-    exit_without_teardown()

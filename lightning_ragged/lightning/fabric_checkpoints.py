@@ -106,7 +106,10 @@ def load(
         return {k: v for k, v in read_file(path, weights_only, **trust).items() if k != FORMAT_KEY}
     if isinstance(state, nn.Module):
         if path.is_file():
-            load_full_model_state_dict(state, read_file(path, weights_only, **trust), strict=strict, source=path)
+            checkpoint = read_file(path, weights_only, **trust)
+            if FORMAT_KEY in checkpoint:  # our own full checkpoint: its model
+                checkpoint = checkpoint.get("state_dict", checkpoint.get(MODEL_KEY, {}))
+            load_full_model_state_dict(state, checkpoint, strict=strict, source=path)
             return {}
         state = {MODEL_KEY: state}
     module_key, module = _sharded_module(state, "load")

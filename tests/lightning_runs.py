@@ -5,9 +5,9 @@ invocation runs many Trainers in the same processes (one process start-up for al
 checks of a mode). Every rank computes its own numbers; the worst value over ranks is
 all-reduced and rank 0 writes the JSON the test reads.
 
-Modes: ``main`` (2 processes, Lightning's launcher; it also runs ``hf_runs.py``'s fits for
-``tests/test_hf_models.py`` and ``muon_run.py``'s for ``tests/test_optim_lightning.py``, under
-``"hf"`` and ``"muon"``) and ``slurm_hsdp`` (started by the test as 4 processes with the SLURM
+Modes: ``main`` (2 processes, Lightning's launcher; it also runs the fits of ``start_runs.py``
+for ``tests/test_start.py``, ``hf_runs.py`` for ``tests/test_hf_models.py`` and ``muon_run.py``
+for ``tests/test_optim_lightning.py``, under ``"start"``, ``"hf"`` and ``"muon"``) and ``slurm_hsdp`` (started by the test as 4 processes with the SLURM
 variables of a 2-node x 2-task job).
 """
 
@@ -299,8 +299,10 @@ def main() -> None:
     results: dict = {}
     {"main": main_mode, "slurm_hsdp": slurm_hsdp_mode}[mode](results)
     if mode == "main":  # the Trainer fits of other files, in the same start-up (each costs ~7 s of CPU here)
-        from tests import hf_runs, muon_run
+        from tests import hf_runs, muon_run, start_runs
 
+        results["start"] = {}
+        start_runs.run(results["start"])
         results["hf"] = {}
         for kind in hf_runs.KINDS:
             hf_runs.run_kind(results["hf"], kind)

@@ -1,21 +1,17 @@
-"""Real Trainer runs for ``tests/test_start.py``: ``python tests/start_runs.py OUT.json``.
+"""Real Trainer runs for ``tests/test_start.py``, run by ``tests/lightning_runs.py``'s main mode (``run``).
 
-Lightning's subprocess launcher re-runs this script for the second rank, so one invocation
-runs every Trainer below in the same two processes. Each rank computes its own numbers; the
-worst value over ranks is all-reduced and rank 0 writes the JSON the test reads.
+Every Trainer below runs in the same two processes as the main mode's (one start-up). Each rank
+computes its own numbers; the worst value over ranks is all-reduced into the results.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import warnings
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from tests.clean_exit import exit_without_teardown  # noqa: E402
 
 import lightning.pytorch as L  # noqa: E402
 import torch  # noqa: E402
@@ -175,17 +171,8 @@ def llama_mode(results: dict) -> None:
     results["llama_fit_loss_finite"] = worst(float(not (losses and all(torch.isfinite(torch.tensor(losses)))))) == 0
 
 
-def main() -> None:
-    out = sys.argv[1]
-    results: dict = {}
+def run(results: dict) -> None:
     unseeded_fit(results, RaggedFSDPStrategy(), "unseeded", summary=True)
     unseeded_fit(results, RaggedFSDPStrategy(sync_module_states=False), "unsynced")
     batchnorm_mode(results)
     llama_mode(results)
-    if dist.get_rank() == 0:
-        Path(out).write_text(json.dumps(results, indent=1))
-
-
-if __name__ == "__main__":
-    main()
-    exit_without_teardown()

@@ -10,23 +10,16 @@
   forwards), and differ with ``broadcast_buffers=False``; a model without buffers issues none.
 * Hugging Face Llama built on the meta device, materialized group by group with its own
   ``_init_weights``, equals the eager init bit for bit (tied and untied); peak one group.
-* Trainer runs (``tests/start_runs.py``, one launcher invocation): the strategy's unseeded
+* Trainer runs (``tests/start_runs.py``, in ``tests/lightning_runs.py``'s main mode): the strategy's unseeded
   start, BatchNorm statistics vs ``strategy="ddp"``, ``Trainer.init_module(empty_init=True)``
   with a Llama vs eager, and ModelSummary's global counts.
 """
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-RUNS = ROOT / "tests" / "start_runs.py"
-RUN_TIMEOUT_S = 400
 
 
 # ----------------------------------------------------------------- helpers (run on every rank)
@@ -392,14 +385,9 @@ def test_meta_buffer_rebuilt_from_config_and_untraceable_init_falls_back(dist_po
 
 # --------------------------------------------------------------------------- Trainer runs
 @pytest.fixture(scope="module")
-def start_run(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    from tests.test_strategy import _clean_env
-
-    out = tmp_path_factory.mktemp("start") / "results.json"
-    proc = subprocess.run([sys.executable, str(RUNS), str(out)], env=_clean_env(), cwd=ROOT, capture_output=True,
-                          text=True, timeout=RUN_TIMEOUT_S)
-    assert proc.returncode == 0 and out.exists(), f"start run failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
-    return json.loads(out.read_text())
+def start_run(main_run: dict) -> dict:
+    """The fits of ``tests/start_runs.py``, run in ``tests/lightning_runs.py``'s main mode (one start-up)."""
+    return main_run["start"]
 
 
 def test_trainer_unseeded_start_is_rank0s(start_run: dict) -> None:

@@ -131,8 +131,10 @@ def test_fabric_refuses_bad_settings_before_launch() -> None:
 
     from lightning_ragged.lightning.fabric_strategy import RaggedFSDPFabricStrategy
 
+    import lightning_ragged
+
     fabric = L.Fabric(accelerator="cpu", devices=2, strategy="ragged_fsdp", precision="bf16-mixed")
-    assert type(fabric.strategy).__name__ == "RaggedFSDPFabricStrategy"
+    assert type(fabric.strategy) is RaggedFSDPFabricStrategy is lightning_ragged.RaggedFSDPFabricStrategy
     with pytest.raises(ValueError, match="16-mixed.*bf16-mixed"):
         RaggedFSDPFabricStrategy(precision=MixedPrecision("16-mixed", "cpu"))
     with pytest.raises(ValueError, match="precision plugin Custom.*32-true"):

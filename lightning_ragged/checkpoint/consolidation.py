@@ -31,7 +31,7 @@ from torch.utils._pytree import key_get, tree_flatten_with_path, tree_map
 
 from lightning_ragged.checkpoint.checksums import remove_sidecar, write_sidecar
 from lightning_ragged.checkpoint.errors import CheckpointError
-from lightning_ragged.checkpoint.format import FORMAT_KEY, MODEL_KEY
+from lightning_ragged.checkpoint.format import FORMAT_KEY, MODEL_KEY, MODEL_STATES_KEY
 from lightning_ragged.checkpoint.reader import CheckpointInfo, inspect_checkpoint
 from lightning_ragged.checkpoint.safe_unpickle import torch_load
 from lightning_ragged.checkpoint.zero_dim import ZERO_DIM_STATES_KEY
@@ -137,6 +137,9 @@ def _to_lightning_layout(nested: dict[str, Any], info: CheckpointInfo) -> tuple[
     """Lightning's single-file layout, and a function mapping a DCP path to its place in it."""
     checkpoint: dict[str, Any] = {k: v for k, v in info.meta.items() if k != FORMAT_KEY}
     checkpoint["state_dict"] = nested.get(MODEL_KEY, {})
+    model_states = info.format.get(MODEL_STATES_KEY, [])  # e.g. WeightAveraging's "current_model_state"
+    for key in model_states:
+        checkpoint[key] = nested.get(key, {})
     count = sum(1 for k in nested if k.startswith("optimizer_"))
     renames: dict[int, dict[str, int]] = {}
     states = []
@@ -153,6 +156,8 @@ def _to_lightning_layout(nested: dict[str, Any], info: CheckpointInfo) -> tuple[
         head, rest = path[0], tuple(path[1:])
         if head == MODEL_KEY:
             return ("state_dict", *rest)
+        if head in model_states:
+            return (head, *rest)
         index = int(str(head).split("_", 1)[1])
         if index in renames and len(rest) >= 2 and rest[0] == "state":
             rest = ("state", renames[index][rest[1]], *rest[2:])

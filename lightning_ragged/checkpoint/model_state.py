@@ -18,6 +18,8 @@ from torch import nn
 from lightning_ragged.checkpoint.dcp import shard_as_dtensor
 from lightning_ragged.checkpoint.reader import CheckpointInfo, check_model_matches, check_shapes, inspect_checkpoint
 from lightning_ragged.engine.state_dict import sharded_params
+from lightning_ragged.engine.state_shard import StateShard
+from lightning_ragged.engine.torch_state_dict import local_part, state_shard
 
 
 def sharded_model_state_dict(module: nn.Module) -> dict[str, Any]:
@@ -82,8 +84,46 @@ def load_full_model_state_dict(
     check_shapes(saved, expected, strict, source)
     sharded = sharded_params(module)
     for key, (dbuffer, name) in sharded.items():
-        if key in state_dict:
-            dbuffer.load_full({name: state_dict[key]})
+        value = state_dict.get(key)
+        if isinstance(value, StateShard):  # of this layout (e.g. the module's own state_dict()): its local part
+            shard = dbuffer.sharded_params[name]
+            local = local_part(value, shard.ragged_shard, key)
+            if local.data_ptr() != shard.data_ptr():
+                with torch.no_grad():
+                    shard.copy_(local)
+        elif value is not None:
+            dbuffer.load_full({name: value})
     rest = {k: v for k, v in state_dict.items() if k not in sharded and k in expected}
     if rest or not sharded:
         module.load_state_dict(rest, strict=False)
+
+
+def load_model_state_copy(module: nn.Module, info: CheckpointInfo, key: str, strict: bool = True) -> dict[str, Any]:
+    """The checkpoint's model state under ``key`` (e.g. ``"current_model_state"``) in fresh tensors of
+    ``module``'s current layout, as its ``state_dict()`` holds them (StateShards); the module is untouched.
+
+    Any saved layout loads (DCP reshards). Keys and shapes are checked against the module first.
+    """
+    saved = info.model_shapes(key)
+    check_shapes(saved, expected_model_shapes(module), strict, f"{info.path} [{key}]")
+    sharded = sharded_params(module)
+    template: dict[str, Any] = {}
+    result: dict[str, Any] = {}
+    for name, value in module.state_dict().items():
+        if isinstance(value, torch.Tensor) and name not in saved:  # strict=False: what the checkpoint lacks
+            continue
+        if name in sharded:
+            shard = sharded[name].param
+            copy = torch.empty_like(shard.detach())
+            wrapped = shard_as_dtensor(copy, shard.ragged_shard)
+            if wrapped is not None:
+                template[name] = wrapped
+            result[name] = state_shard(copy, shard.ragged_shard)
+        else:
+            template[name] = result[name] = value.clone() if isinstance(value, torch.Tensor) else value
+    with info.reading():
+        dcp.load({key: template}, storage_reader=info.reader(), planner=info.planner())
+    for name, value in template.items():  # non-tensor extra state comes back as new objects
+        if not isinstance(value, torch.Tensor):
+            result[name] = value
+    return result

@@ -115,9 +115,10 @@ class CheckpointInfo:
         prefixes = {path[0] for path in (self.metadata.planner_data or {}).values() if path}
         return "state_dict" if MODEL_KEY not in prefixes and "state_dict" in prefixes else MODEL_KEY
 
-    def model_shapes(self) -> dict[str, tuple[int, ...]]:
+    def model_shapes(self, prefix: str | None = None) -> dict[str, tuple[int, ...]]:
+        """Global shape of every tensor of the model (or of another model state saved under ``prefix``)."""
         shapes = {}
-        for key, path in self.paths(self.model_key).items():
+        for key, path in self.paths(prefix or self.model_key).items():
             item = self.metadata.state_dict_metadata[key]
             if isinstance(item, TensorStorageMetadata):
                 shapes[".".join(str(p) for p in path[1:])] = tuple(item.size)

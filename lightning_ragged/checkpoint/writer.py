@@ -33,7 +33,9 @@ from lightning_ragged.checkpoint import timeout as checkpoint_timeout
 from lightning_ragged.checkpoint.consolidation import write_full_checkpoint
 from lightning_ragged.checkpoint.dcp import quiet_without_process_group
 from lightning_ragged.checkpoint.errors import CheckpointError
-from lightning_ragged.checkpoint.format import FORMAT_KEY, FORMAT_VERSION, META_FILENAME, MODEL_KEY
+from lightning_ragged.checkpoint.format import (
+    FORMAT_KEY, FORMAT_VERSION, META_FILENAME, MODEL_KEY, MODEL_STATE_KEYS, MODEL_STATES_KEY,
+)
 from lightning_ragged.checkpoint.model_state import sharded_model_state_dict
 from lightning_ragged.checkpoint.optimizer_state import sharded_optimizer_state_dict
 from lightning_ragged.checkpoint.ranks import barrier, is_rank_zero, world_size
@@ -41,7 +43,7 @@ from lightning_ragged.checkpoint.reader import CheckpointInfo
 
 
 def _split_checkpoint(checkpoint: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(what DCP writes: "model", "optimizer_i"; what goes to meta.pt: everything else)."""
+    """(what DCP writes: "model", "optimizer_i", other model states; what goes to meta.pt: everything else)."""
     tensors: dict[str, Any] = {}
     meta: dict[str, Any] = {}
     for key, value in checkpoint.items():
@@ -52,9 +54,12 @@ def _split_checkpoint(checkpoint: Mapping[str, Any]) -> tuple[dict[str, Any], di
                 tensors[f"optimizer_{index}"] = state
         elif key.startswith("optimizer_") and key[len("optimizer_") :].isdigit():
             tensors[key] = value
+        elif key in MODEL_STATE_KEYS:
+            tensors[key] = value
         else:
             meta[key] = value
     return tensors, meta
+
 
 
 def _storage_writer(path: Path, compress: bool) -> checksums.ChecksummingWriter:
@@ -212,6 +217,7 @@ class CheckpointWriter:
             "world_size": world_size(),
             "optimizers": sum(1 for key in tensors if key.startswith("optimizer_")),
             "has_model": MODEL_KEY in tensors,
+            MODEL_STATES_KEY: [key for key in MODEL_STATE_KEYS if key in tensors],
             "compressed": compress,
             "checksums": checksums.MANIFEST_FILENAME,  # a directory without it is then known to be damaged
             **(extra_meta or {}),

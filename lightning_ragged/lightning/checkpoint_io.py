@@ -12,10 +12,11 @@ from torch import nn
 from lightning_ragged.checkpoint import checksums
 from lightning_ragged.checkpoint.atomic_dir import remove_checkpoint
 from lightning_ragged.checkpoint.errors import CheckpointMismatchError
-from lightning_ragged.checkpoint.format import MODEL_KEY
+from lightning_ragged.checkpoint.format import MODEL_KEY, MODEL_STATE_KEYS, MODEL_STATES_KEY
 from lightning_ragged.checkpoint.model_state import (
     expected_model_shapes,
     load_full_model_state_dict,
+    load_model_state_copy,
     load_sharded_model_state_dict,
     sharded_model_state_dict,
 )
@@ -98,6 +99,7 @@ class LightningCheckpointIO:
             load_full_model_state_dict(module, state_dict, strict=strict, source=path)
             states = list(checkpoint.get("optimizer_states", []))
             rest = rest_of_file(checkpoint)
+            model_states = [key for key in MODEL_STATE_KEYS if key in rest]
             optimizer_count = len(states)
             load_optimizers = lambda: [  # noqa: E731
                 load_full_optimizer_state_dict(module, optimizer, state) for optimizer, state in zip(optimizers, states)
@@ -107,11 +109,17 @@ class LightningCheckpointIO:
             check_model_matches(info, expected_model_shapes(module), strict=strict)
             load_sharded_model_state_dict(module, info, strict=strict)
             rest = info.rest()
+            model_states = info.format.get(MODEL_STATES_KEY, []) if fitting else []
+            for key in model_states:
+                rest[key] = load_model_state_copy(module, info, key, strict=strict)
             optimizer_count = info.optimizer_count
             load_optimizers = lambda: [  # noqa: E731
                 load_sharded_optimizer_state_dict(module, optimizer, info, f"optimizer_{i}")
                 for i, optimizer in enumerate(optimizers)
             ]
+        if fitting and model_states:
+            # WeightAveraging's on_load_checkpoint reads the average from "state_dict": the shards just loaded
+            rest["state_dict"] = module.state_dict()
         if fitting and optimizers:
             if optimizer_count == 0:
                 rank_zero_warn(

@@ -139,15 +139,13 @@ def main_mode(results: dict) -> None:
     results["predict_ok"] = bool(predictions) and tuple(predictions[0].shape) == (BATCH, 8)
 
     # Refused before any step, with the reason (tests/test_strategy.py checks the messages): the sharded module in a
-    # run with another precision; Lightning's weight-averaging callbacks; sync_batchnorm on CPU with a BatchNorm.
-    from lightning.pytorch.callbacks import EMAWeightAveraging, StochasticWeightAveraging
+    # run with another precision; Lightning's SWA callback; sync_batchnorm on CPU with a BatchNorm.
+    from lightning.pytorch.callbacks import StochasticWeightAveraging
 
     refusals = {
         "reuse_precision": lambda: make_trainer(RaggedFSDPStrategy(state_dict_type="full"), 2, 1,
                                                 precision="bf16-true").validate(ragged, loader, verbose=False),
         "swa": lambda: make_trainer("ragged_fsdp", 2, 2, callbacks=[StochasticWeightAveraging(swa_lrs=0.01)]).fit(
-            LitTinyGPT(), token_loader(4 * BATCH, BATCH)),
-        "ema": lambda: make_trainer("ragged_fsdp", 2, 2, callbacks=[EMAWeightAveraging()]).fit(
             LitTinyGPT(), token_loader(4 * BATCH, BATCH)),
         "sync_batchnorm": lambda: make_trainer("ragged_fsdp", 2, 2, sync_batchnorm=True).fit(
             with_batchnorm(LitTinyGPT()), token_loader(4 * BATCH, BATCH)),
@@ -299,8 +297,10 @@ def main() -> None:
     results: dict = {}
     {"main": main_mode, "slurm_hsdp": slurm_hsdp_mode}[mode](results)
     if mode == "main":  # the Trainer fits of other files, in the same start-up (each costs ~7 s of CPU here)
-        from tests import hf_runs, muon_run, start_runs
+        from tests import averaging_runs, hf_runs, muon_run, start_runs
 
+        results["averaging"] = {}
+        averaging_runs.run(results["averaging"])
         results["start"] = {}
         start_runs.run(results["start"])
         results["hf"] = {}

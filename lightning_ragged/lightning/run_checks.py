@@ -3,10 +3,10 @@
 - A module sharded by an earlier run keeps that run's layout, dtypes and hooks (its shards are
   the parameters now); a later run with other sharding settings (``precision``, the knobs,
   ``sync_batchnorm``) cannot apply them, so it is refused, naming each setting that changed.
-- Lightning's weight-averaging callbacks (``StochasticWeightAveraging``, ``WeightAveraging`` and
-  its EMA) copy the module into ``torch.optim.swa_utils.AveragedModel`` before it is sharded and
-  then average full tensors into 1-D shards; Lightning refuses SWA for its own sharded strategies,
-  and so does this one.
+- Lightning's ``StochasticWeightAveraging`` copies the module into ``torch.optim.swa_utils.AveragedModel``
+  before it is sharded and then averages full tensors into 1-D shards; Lightning refuses SWA for its
+  own sharded strategies, and so does this one (``WeightAveraging`` and its EMA average the shards
+  instead: ``weight_averaging.py``).
 - ``Trainer(sync_batchnorm=True)``: the BatchNorm layers become torch's ``SyncBatchNorm`` before
   sharding (as Lightning's DDP and FSDP strategies do), which runs on accelerators only, so on CPU
   a model with BatchNorm layers is refused up front rather than at the first forward.
@@ -65,25 +65,18 @@ def check_reused_module(model: nn.Module, settings: Mapping[str, str]) -> None:
         )
 
 
-def refuse_weight_averaging(trainer: "pl.Trainer") -> None:
-    """Lightning's SWA/EMA callbacks average a full copy into the shards: refuse them, naming the callback."""
+def refuse_stochastic_weight_averaging(trainer: "pl.Trainer") -> None:
+    """Lightning's SWA callback averages a full copy into the shards and re-runs BatchNorm statistics: refuse it."""
     from lightning.pytorch.callbacks import StochasticWeightAveraging
 
-    averaging: tuple[type, ...] = (StochasticWeightAveraging,)
-    try:
-        from lightning.pytorch.callbacks import WeightAveraging  # Lightning >= 2.5
-
-        averaging += (WeightAveraging,)
-    except ImportError:
-        pass
     for callback in trainer.callbacks:
-        if isinstance(callback, averaging):
+        if isinstance(callback, StochasticWeightAveraging):
             raise ValueError(
-                f"RaggedFSDPStrategy does not support the {type(callback).__name__} callback: it keeps an unsharded "
+                "RaggedFSDPStrategy does not support the StochasticWeightAveraging callback: it keeps an unsharded "
                 "torch.optim.swa_utils.AveragedModel copy of the module and averages its full tensors into this "
-                "strategy's 1-D shards (Lightning refuses SWA for its sharded strategies too). Remove the callback, "
-                "or keep the average of each shard yourself (e.g. a callback updating a copy of every parameter's "
-                "local shard after optimizer.step) and save it with the checkpoint."
+                "strategy's 1-D shards (Lightning refuses SWA for its sharded strategies too). Use Lightning's "
+                "WeightAveraging callback (e.g. WeightAveraging(avg_fn=get_swa_avg_fn()) for SWA's equal-weight "
+                "average, or EMAWeightAveraging): under this strategy it averages each rank's shards."
             )
 
 

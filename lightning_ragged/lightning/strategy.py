@@ -60,8 +60,9 @@ from lightning_ragged.lightning.precision import to_ragged_precision
 from lightning_ragged.lightning.sharding import (
     ModuleSpec, hsdp_groups, replicate_degree_for, resolve_classes, shard_module,
 )
+from lightning_ragged.lightning.weight_averaging import average_shards, defer_full_copies
 from lightning_ragged.lightning.run_checks import (
-    apply_sync_batchnorm, check_reused_module, describe, refuse_weight_averaging, remember_settings,
+    apply_sync_batchnorm, check_reused_module, describe, refuse_stochastic_weight_averaging, remember_settings,
 )
 from lightning_ragged.observability.flight_recorder import configure_flight_recorder
 from lightning_ragged.observability.tuning import TUNING_FILE, read_recommendation
@@ -124,6 +125,9 @@ class RaggedFSDPStrategy(RaggedParallel, ParallelStrategy):
     """
 
     strategy_name = "ragged_fsdp"
+
+    averages_shards = True
+    """``WeightAveraging`` callbacks average this strategy's shards (``weight_averaging.py``)."""
 
     def __init__(
         self,
@@ -274,6 +278,7 @@ class RaggedFSDPStrategy(RaggedParallel, ParallelStrategy):
         kwargs: dict[str, Any] = {"timeout": self._timeout}
         kwargs["device_id"] = self.root_device if self.root_device.type != "cpu" else None
         configure_flight_recorder(self._process_group_backend, self._flight_recorder_dir())
+        defer_full_copies(self.lightning_module.trainer)  # before the callbacks' setup: see average_shards
         _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
         if self.dbuffer_size == "recommended" and self.applied_dbuffer_size is None:
             self._apply_recommendation()  # before replicate_degree="auto" plans with it
@@ -327,7 +332,7 @@ class RaggedFSDPStrategy(RaggedParallel, ParallelStrategy):
         # signal then only sets a flag that all ranks agree on at a batch end (preemption.py, issue 10).
         attach_slurm_requeue(trainer, self.cluster_environment)
         use_global_parameter_counts(trainer)  # ModelSummary counts unsharded parameters, not this rank's shards
-        refuse_weight_averaging(trainer)
+        refuse_stochastic_weight_averaging(trainer)
         assert self.model is not None
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
@@ -340,6 +345,7 @@ class RaggedFSDPStrategy(RaggedParallel, ParallelStrategy):
         self.precision_plugin.sharded_module = self.model
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
+            average_shards(trainer, self.model)  # WeightAveraging callbacks: an average of the shards, not of a full copy
             self._reset_optimizers_and_schedulers()
             self.setup_optimizers(trainer)
             for optimizer in self.optimizers:  # torch's state-dict APIs see StateShards before the first step too

@@ -1,0 +1,161 @@
+"""Trainer fits for ``tests/test_weight_averaging.py``, run by ``tests/lightning_runs.py main`` (2 gloo ranks).
+
+Lightning's ``EMAWeightAveraging`` under ``ragged_fsdp`` against the same callback under DDP (the
+oracle): training, validation on the averaged weights, the average at the end, checkpoints (a
+sharded directory and one full file holding the average under ``state_dict`` and the trained
+weights under ``current_model_state``), resuming from them (also into another layout) and a
+second fit of the sharded module. ``BackboneFinetuning`` (frozen at the start, unfrozen with a
+new parameter group in epoch 1) records its final weights for the test's one-process oracle.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+
+import lightning.pytorch as L
+import torch
+import torch.distributed as dist
+from lightning.pytorch.callbacks import BackboneFinetuning, EMAWeightAveraging, ModelCheckpoint
+
+from lightning_ragged import RaggedFSDPStrategy, full_state_dict
+from lightning_ragged.checkpoint import consolidate
+from tests.lightning_models import LitTinyGPT, cpu_trainer, token_loader
+
+BATCH = 4  # per rank
+STEPS = 6
+DECAY = 0.8
+
+
+class LitBackbone(LitTinyGPT):
+    """``blocks`` is the backbone ``BackboneFinetuning`` freezes; the optimizer starts without it."""
+
+    def __init__(self, lr: float = 0.5) -> None:
+        super().__init__(lr)
+        self.backbone = self.model.blocks
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=self.lr, momentum=0.9)
+
+
+def _params(model: L.LightningModule) -> dict[str, torch.Tensor]:
+    if getattr(model, "_ragged_fsdp_state", None) is not None:
+        return full_state_dict(model)
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys(), (sorted(a), sorted(b))
+    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+
+
+def _worst(value: float) -> float:
+    tensor = torch.tensor([float(value)], dtype=torch.float64)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return tensor.item()
+
+
+def _fit(strategy, model: LitTinyGPT, root: str | None = None, ckpt_path: str | None = None) -> L.Trainer:
+    callbacks = [EMAWeightAveraging(decay=DECAY)]
+    if root is not None:
+        callbacks.append(ModelCheckpoint(dirpath=root, every_n_train_steps=3, save_top_k=-1))
+    trainer = cpu_trainer(strategy, 2, STEPS, callbacks=callbacks, enable_checkpointing=root is not None,
+                          limit_val_batches=1, val_check_interval=2)
+    trainer.fit(model, token_loader(STEPS * 2 * BATCH, BATCH), token_loader(2 * BATCH, BATCH, seed=5),
+                ckpt_path=ckpt_path)
+    return trainer
+
+
+def _fresh() -> LitTinyGPT:
+    L.seed_everything(0, verbose=False)
+    return LitTinyGPT()
+
+
+def run(results: dict) -> None:
+    rank = dist.get_rank()
+    holder = [tempfile.mkdtemp(prefix="ragged_ema_") if rank == 0 else None]
+    dist.broadcast_object_list(holder)
+    root = holder[0]
+    dirs = {name: os.path.join(root, name) for name in ("ddp", "sharded", "full")}
+
+    # Training, validation (the callback swaps the average in) and the average copied in at the end.
+    models = {"ddp": _fresh(), "sharded": _fresh(), "full": _fresh()}
+    trainers = {
+        "ddp": _fit("ddp", models["ddp"], dirs["ddp"]),
+        "sharded": _fit(RaggedFSDPStrategy(), models["sharded"], dirs["sharded"]),
+        "full": _fit(RaggedFSDPStrategy(state_dict_type="full"), models["full"], dirs["full"]),
+    }
+    final = {name: _params(model) for name, model in models.items()}
+    for name in ("sharded", "full"):
+        results[f"{name}_loss_diff"] = _worst(max(abs(a - b) for a, b in zip(models[name].losses, models["ddp"].losses)))
+        results[f"{name}_val_diff"] = _worst(
+            max(abs(a - b) for a, b in zip(models[name].val_losses, models["ddp"].val_losses)))
+        results[f"{name}_final_diff"] = _worst(_diff(final[name], final["ddp"]))
+    results["val_count"] = len(models["sharded"].val_losses)
+    results["trained_vs_average"] = _worst(_diff(final["ddp"], _params(_trained_weights(trainers["ddp"]))))
+    # The average holds this rank's shards only.
+    average = trainers["sharded"].callbacks[0]._average_model.module
+    results["average_numel"] = sum(p.numel() for p in average.parameters())
+    results["shard_numel"] = sum(p.numel() for p in models["sharded"].parameters())
+    results["full_numel"] = sum(p.numel() for p in LitTinyGPT().parameters())
+    total = torch.tensor([results["average_numel"]], dtype=torch.float64)
+    dist.all_reduce(total)
+    results["average_numel_sum"] = total.item()
+
+    # The checkpoints hold what DDP's does: the average under state_dict, the trained weights beside it.
+    step3 = {name: os.path.join(dirs[name], "epoch=0-step=3.ckpt") for name in dirs}
+    dist.barrier()
+    if rank == 0:
+        reference = torch.load(step3["ddp"], weights_only=False)
+        out = os.path.join(root, "consolidated.ckpt")
+        consolidate(step3["sharded"], out)
+        for name, path in (("sharded", out), ("full", step3["full"])):
+            saved = torch.load(path, weights_only=False)
+            results[f"{name}_ckpt_average_diff"] = _diff(saved["state_dict"], reference["state_dict"])
+            results[f"{name}_ckpt_current_diff"] = _diff(saved["current_model_state"],
+                                                         reference["current_model_state"])
+            results[f"{name}_ckpt_n_averaged"] = int(saved["averaging_state"]["n_averaged"])
+        results["ddp_ckpt_n_averaged"] = int(reference["averaging_state"]["n_averaged"])
+
+    # Resuming from step 3 (mid-epoch: Lightning replays the epoch's batches, under DDP alike).
+    resumed = {name: _fresh() for name in ("ddp", "sharded", "full", "relayout")}
+    _fit("ddp", resumed["ddp"], ckpt_path=step3["ddp"])
+    _fit(RaggedFSDPStrategy(), resumed["sharded"], ckpt_path=step3["sharded"])
+    _fit(RaggedFSDPStrategy(), resumed["full"], ckpt_path=step3["full"])
+    # another layout: row granularity, 2 replicas of 1 shard
+    _fit(RaggedFSDPStrategy(shard_granularity="row", replicate_degree=2), resumed["relayout"],
+         ckpt_path=step3["sharded"])
+    reference = _params(resumed["ddp"])
+    for name in ("sharded", "full", "relayout"):
+        results[f"resume_{name}_diff"] = _worst(_diff(_params(resumed[name]), reference))
+        results[f"resume_{name}_loss_diff"] = _worst(
+            max(abs(a - b) for a, b in zip(resumed[name].losses, resumed["ddp"].losses)))
+    results["resume_steps"] = len(resumed["sharded"].losses)
+
+    # A second fit of the sharded module with the callback (the module itself is never deep-copied).
+    again = {"ddp": _fresh(), "ragged": _fresh()}
+    for name, strategy in (("ddp", lambda: "ddp"), ("ragged", RaggedFSDPStrategy)):
+        for _ in range(2):
+            _fit(strategy(), again[name])
+    results["second_fit_diff"] = _worst(_diff(_params(again["ragged"]), _params(again["ddp"])))
+
+    # BackboneFinetuning: frozen blocks, unfrozen at epoch 1 with their own parameter group.
+    L.seed_everything(0, verbose=False)
+    backbone = LitBackbone()
+    trainer = cpu_trainer(RaggedFSDPStrategy(), 2, 12, callbacks=[BackboneFinetuning(unfreeze_backbone_at_epoch=1)],
+                          enable_checkpointing=False)
+    trainer.fit(backbone, token_loader(4 * 2 * BATCH, BATCH))
+    results["backbone_weights"] = {k: v.tolist() for k, v in _params(backbone).items()}
+    results["backbone_param_groups"] = len(trainer.optimizers[0].param_groups)
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def _trained_weights(trainer: L.Trainer) -> L.LightningModule:
+    """The DDP run's last checkpoint's trained weights (``current_model_state``), loaded into a plain module."""
+    path = os.path.join(trainer.checkpoint_callback.dirpath, "epoch=0-step=6.ckpt")
+    module = LitTinyGPT()
+    module.load_state_dict(torch.load(path, weights_only=False)["current_model_state"])
+    return module

@@ -19,8 +19,9 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import BackboneFinetuning, EMAWeightAveraging, ModelCheckpoint
 
-from lightning_ragged import RaggedFSDPStrategy, full_state_dict
+from lightning_ragged import RaggedFSDPStrategy
 from lightning_ragged.checkpoint import consolidate
+from tests.comparisons import full_params, loss_diff, max_diff, worst
 from tests.lightning_models import LitTinyGPT, cpu_trainer, token_loader
 
 BATCH = 4  # per rank
@@ -37,23 +38,6 @@ class LitBackbone(LitTinyGPT):
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=self.lr, momentum=0.9)
-
-
-def _params(model: L.LightningModule) -> dict[str, torch.Tensor]:
-    if getattr(model, "_ragged_fsdp_state", None) is not None:
-        return full_state_dict(model)
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
-
-
-def _diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    assert a.keys() == b.keys(), (sorted(a), sorted(b))
-    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
-
-
-def _worst(value: float) -> float:
-    tensor = torch.tensor([float(value)], dtype=torch.float64)
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-    return tensor.item()
 
 
 def _fit(strategy, model: LitTinyGPT, root: str | None = None, ckpt_path: str | None = None) -> L.Trainer:
@@ -86,16 +70,17 @@ def run(results: dict) -> None:
         "sharded": _fit(RaggedFSDPStrategy(), models["sharded"], dirs["sharded"]),
         "full": _fit(RaggedFSDPStrategy(state_dict_type="full"), models["full"], dirs["full"]),
     }
-    final = {name: _params(model) for name, model in models.items()}
+    final = {name: full_params(model) for name, model in models.items()}
     for name in ("sharded", "full"):
-        results[f"{name}_loss_diff"] = _worst(max(abs(a - b) for a, b in zip(models[name].losses, models["ddp"].losses)))
-        results[f"{name}_val_diff"] = _worst(
+        results[f"{name}_loss_diff"] = worst(loss_diff(models[name], models["ddp"]))
+        results[f"{name}_val_diff"] = worst(
             max(abs(a - b) for a, b in zip(models[name].val_losses, models["ddp"].val_losses)))
-        results[f"{name}_final_diff"] = _worst(_diff(final[name], final["ddp"]))
+        results[f"{name}_final_diff"] = worst(max_diff(final[name], final["ddp"]))
     results["val_count"] = len(models["sharded"].val_losses)
-    results["trained_vs_average"] = _worst(_diff(final["ddp"], _params(_trained_weights(trainers["ddp"]))))
+    results["trained_vs_average"] = worst(max_diff(final["ddp"], full_params(_trained_weights(trainers["ddp"]))))
     # The average holds this rank's shards only.
-    average = trainers["sharded"].callbacks[0]._average_model.module
+    callback = next(c for c in trainers["sharded"].callbacks if isinstance(c, EMAWeightAveraging))
+    average = callback._average_model.module
     results["average_numel"] = sum(p.numel() for p in average.parameters())
     results["shard_numel"] = sum(p.numel() for p in models["sharded"].parameters())
     results["full_numel"] = sum(p.numel() for p in LitTinyGPT().parameters())
@@ -112,8 +97,8 @@ def run(results: dict) -> None:
         consolidate(step3["sharded"], out)
         for name, path in (("sharded", out), ("full", step3["full"])):
             saved = torch.load(path, weights_only=False)
-            results[f"{name}_ckpt_average_diff"] = _diff(saved["state_dict"], reference["state_dict"])
-            results[f"{name}_ckpt_current_diff"] = _diff(saved["current_model_state"],
+            results[f"{name}_ckpt_average_diff"] = max_diff(saved["state_dict"], reference["state_dict"])
+            results[f"{name}_ckpt_current_diff"] = max_diff(saved["current_model_state"],
                                                          reference["current_model_state"])
             results[f"{name}_ckpt_n_averaged"] = int(saved["averaging_state"]["n_averaged"])
         results["ddp_ckpt_n_averaged"] = int(reference["averaging_state"]["n_averaged"])
@@ -126,11 +111,10 @@ def run(results: dict) -> None:
     # another layout: row granularity, 2 replicas of 1 shard
     _fit(RaggedFSDPStrategy(shard_granularity="row", replicate_degree=2), resumed["relayout"],
          ckpt_path=step3["sharded"])
-    reference = _params(resumed["ddp"])
+    reference = full_params(resumed["ddp"])
     for name in ("sharded", "full", "relayout"):
-        results[f"resume_{name}_diff"] = _worst(_diff(_params(resumed[name]), reference))
-        results[f"resume_{name}_loss_diff"] = _worst(
-            max(abs(a - b) for a, b in zip(resumed[name].losses, resumed["ddp"].losses)))
+        results[f"resume_{name}_diff"] = worst(max_diff(full_params(resumed[name]), reference))
+        results[f"resume_{name}_loss_diff"] = worst(loss_diff(resumed[name], resumed["ddp"]))
     results["resume_steps"] = len(resumed["sharded"].losses)
 
     # A second fit of the sharded module with the callback (the module itself is never deep-copied).
@@ -138,7 +122,7 @@ def run(results: dict) -> None:
     for name, strategy in (("ddp", lambda: "ddp"), ("ragged", RaggedFSDPStrategy)):
         for _ in range(2):
             _fit(strategy(), again[name])
-    results["second_fit_diff"] = _worst(_diff(_params(again["ragged"]), _params(again["ddp"])))
+    results["second_fit_diff"] = worst(max_diff(full_params(again["ragged"]), full_params(again["ddp"])))
 
     # BackboneFinetuning: frozen blocks, unfrozen at epoch 1 with their own parameter group.
     L.seed_everything(0, verbose=False)
@@ -146,7 +130,7 @@ def run(results: dict) -> None:
     trainer = cpu_trainer(RaggedFSDPStrategy(), 2, 12, callbacks=[BackboneFinetuning(unfreeze_backbone_at_epoch=1)],
                           enable_checkpointing=False)
     trainer.fit(backbone, token_loader(4 * 2 * BATCH, BATCH))
-    results["backbone_weights"] = {k: v.tolist() for k, v in _params(backbone).items()}
+    results["backbone_weights"] = {k: v.tolist() for k, v in full_params(backbone).items()}
     results["backbone_param_groups"] = len(trainer.optimizers[0].param_groups)
     dist.barrier()
     if rank == 0:

@@ -25,6 +25,7 @@ import torch.distributed as dist  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 import lightning_ragged  # noqa: E402  (registers "ragged_fsdp")
+from tests.comparisons import max_diff, worst  # noqa: E402
 from tests.hf_models import BLOCK_CLASS_NAMES, VOCAB, make_seq2seq  # noqa: E402
 from tests.lightning_models import cpu_trainer  # noqa: E402
 
@@ -72,17 +73,6 @@ def fit(kind: str, strategy) -> LitSeq2Seq:
     model = LitSeq2Seq(kind)
     trainer.fit(model, seq2seq_loader(STEPS * 2 * BATCH))
     return model
-
-
-def worst(value: float) -> float:
-    tensor = torch.tensor([float(value)], dtype=torch.float64)
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-    return tensor.item()
-
-
-def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    assert a.keys() == b.keys(), (sorted(set(a) ^ set(b)))
-    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
 
 
 def counted_root_fraction(state) -> float:

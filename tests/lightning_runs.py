@@ -31,7 +31,8 @@ import torch.distributed as dist  # noqa: E402
 from lightning.pytorch.callbacks import Callback  # noqa: E402
 
 import lightning_ragged  # noqa: E402,F401  (registers "ragged_fsdp")
-from lightning_ragged import RaggedFSDPStrategy, full_state_dict, get_state  # noqa: E402
+from lightning_ragged import RaggedFSDPStrategy, get_state  # noqa: E402
+from tests.comparisons import full_params, loss_diff, max_diff, worst  # noqa: E402
 from tests.lightning_models import (  # noqa: E402
     LitManualGPT, LitRegression, LitTinyGPT, cpu_trainer, regression_loader, token_loader,
 )
@@ -55,29 +56,6 @@ def fit(strategy, devices: int = 2, steps: int = 6, seed: int = 0, accumulate: i
         model = module(lr=lr)
     trainer.fit(model, token_loader(steps * accumulate * devices * BATCH, BATCH))
     return trainer, model
-
-
-def full_params(model: LitTinyGPT) -> dict[str, torch.Tensor]:
-    if getattr(model, "_ragged_fsdp_state", None) is not None:
-        return full_state_dict(model)
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
-
-
-def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    assert a.keys() == b.keys(), (sorted(a), sorted(b))
-    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
-
-
-def loss_diff(a: LitTinyGPT, b: LitTinyGPT) -> float:
-    assert len(a.losses) == len(b.losses) > 0, (len(a.losses), len(b.losses))
-    return max(abs(x - y) for x, y in zip(a.losses, b.losses))
-
-
-def worst(value: float) -> float:
-    """The maximum of ``value`` over all ranks."""
-    tensor = torch.tensor([float(value)], dtype=torch.float64)
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-    return tensor.item()
 
 
 class CountReductions(Callback):

@@ -21,6 +21,7 @@ from lightning.pytorch.utilities.model_summary.model_summary import get_human_re
 
 import lightning_ragged  # noqa: E402,F401  (registers "ragged_fsdp")
 from lightning_ragged import RaggedFSDPStrategy, full_state_dict  # noqa: E402
+from tests.comparisons import max_diff, worst  # noqa: E402
 from tests.lightning_models import cpu_trainer  # noqa: E402
 from tests.start_models import (  # noqa: E402
     LitConvBN,
@@ -33,17 +34,6 @@ from tests.start_models import (  # noqa: E402
 warnings.filterwarnings("ignore")
 BATCH = 4  # per rank
 DEVICES = 2
-
-
-def worst(value: float) -> float:
-    tensor = torch.tensor([float(value)], dtype=torch.float64)
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-    return tensor.item()
-
-
-def max_diff(a: dict, b: dict) -> float:
-    assert a.keys() == b.keys(), (sorted(a), sorted(b))
-    return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
 
 
 def spread(stats: torch.Tensor) -> float:

@@ -117,13 +117,15 @@ def main_mode(results: dict) -> None:
     results["predict_ok"] = bool(predictions) and tuple(predictions[0].shape) == (BATCH, 8)
 
     # Refused before any step, with the reason (tests/test_strategy.py checks the messages): the sharded module in a
-    # run with another precision; Lightning's SWA callback; sync_batchnorm on CPU with a BatchNorm.
-    from lightning.pytorch.callbacks import StochasticWeightAveraging
+    # run with another precision; Lightning's SWA and pruning callbacks; sync_batchnorm on CPU with a BatchNorm.
+    from lightning.pytorch.callbacks import ModelPruning, StochasticWeightAveraging
 
     refusals = {
         "reuse_precision": lambda: make_trainer(RaggedFSDPStrategy(state_dict_type="full"), 2, 1,
                                                 precision="bf16-true").validate(ragged, loader, verbose=False),
         "swa": lambda: make_trainer("ragged_fsdp", 2, 2, callbacks=[StochasticWeightAveraging(swa_lrs=0.01)]).fit(
+            LitTinyGPT(), token_loader(4 * BATCH, BATCH)),
+        "pruning": lambda: make_trainer("ragged_fsdp", 2, 2, callbacks=[ModelPruning("l1_unstructured", amount=0.5)]).fit(
             LitTinyGPT(), token_loader(4 * BATCH, BATCH)),
         "sync_batchnorm": lambda: make_trainer("ragged_fsdp", 2, 2, sync_batchnorm=True).fit(
             with_batchnorm(LitTinyGPT()), token_loader(4 * BATCH, BATCH)),

@@ -72,6 +72,33 @@ def test_fp16_amp_is_refused_with_the_alternatives() -> None:
         to_ragged_precision(MixedPrecision("16-mixed", "cpu"))
 
 
+def test_checkpoint_plugins_are_adopted_or_refused_never_ignored() -> None:
+    """``AsyncCheckpointIO`` means background saves (the engine's own); torch's default IO changes nothing; another
+    plugin (which would write one torch.save file) is refused when the Trainer or Fabric is built."""
+    import lightning as LL
+    import lightning.pytorch as L
+    from lightning.pytorch.plugins.io import AsyncCheckpointIO, TorchCheckpointIO
+
+    from lightning_ragged import RaggedFSDPStrategy
+
+    class CustomIO(TorchCheckpointIO):
+        pass
+
+    kwargs = dict(accelerator="cpu", devices=2)
+    assert L.Trainer(strategy="ragged_fsdp", plugins=[AsyncCheckpointIO()], logger=False,
+                     **kwargs).strategy.ragged_checkpoints.async_save
+    assert not L.Trainer(strategy="ragged_fsdp", plugins=[TorchCheckpointIO()], logger=False,
+                         **kwargs).strategy.ragged_checkpoints.async_save
+    assert LL.Fabric(strategy="ragged_fsdp", plugins=[AsyncCheckpointIO()], **kwargs).strategy.checkpoints.async_save
+    for io in (CustomIO(), AsyncCheckpointIO(CustomIO())):
+        with pytest.raises(ValueError, match="does not take the CustomIO checkpoint plugin.*async_checkpoint=True"):
+            L.Trainer(strategy="ragged_fsdp", plugins=[io], logger=False, **kwargs)
+    with pytest.raises(ValueError, match="RaggedFSDPStrategy does not take the CustomIO"):
+        RaggedFSDPStrategy(checkpoint_io=CustomIO())
+    with pytest.raises(ValueError, match="RaggedFSDPFabricStrategy does not take the CustomIO"):
+        LL.Fabric(strategy="ragged_fsdp", plugins=[CustomIO()], **kwargs)
+
+
 def test_strategy_knobs_are_validated() -> None:
     from lightning_ragged import RaggedFSDPStrategy
 
@@ -240,6 +267,8 @@ def test_runs_it_cannot_honour_are_refused_with_the_reason(main_run: dict) -> No
     assert main_run["reuse_after_refusal_same_settings"]  # the module still serves a run with its own settings
     swa = main_run["refused_swa"]  # WeightAveraging/EMAWeightAveraging work: tests/test_weight_averaging.py
     assert swa and "does not support the StochasticWeightAveraging callback" in swa and "EMAWeightAveraging" in swa
+    pruning = main_run["refused_pruning"]
+    assert pruning and "does not support the ModelPruning callback" in pruning and "prune.remove" in pruning
     sync = main_run["refused_sync_batchnorm"]
     assert sync and "sync_batchnorm=True" in sync and "probe_norm" in sync and "not on CPU" in sync, sync
 

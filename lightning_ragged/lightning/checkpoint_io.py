@@ -60,6 +60,26 @@ class LightningCheckpointIO:
         self.verify_checksums = verify_checksums
         self.writer = CheckpointWriter()
 
+    def adopt(self, io: Any, owner: str) -> None:
+        """A Lightning ``CheckpointIO`` plugin given to the strategy (``plugins=[...]``, ``checkpoint_io=``).
+
+        ``AsyncCheckpointIO`` (over torch's own IO) turns on background saves, as ``async_checkpoint=True``;
+        torch's default IO changes nothing. Any other is refused rather than ignored: this strategy writes
+        sharded DCP directories itself (every rank its own shards), not one ``torch.save`` file through a plugin.
+        """
+        from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+        from lightning.pytorch.plugins.io import AsyncCheckpointIO
+
+        base = io.checkpoint_io if isinstance(io, AsyncCheckpointIO) else io
+        if base is not None and type(base) is not TorchCheckpointIO:
+            raise ValueError(
+                f"{owner} does not take the {type(base).__name__} checkpoint plugin: it writes its checkpoints itself "
+                "(sharded torch.distributed.checkpoint directories, or one file with state_dict_type='full'). Remove "
+                "the plugin; for background saves pass async_checkpoint=True (or plugins=[AsyncCheckpointIO()])."
+            )
+        if isinstance(io, AsyncCheckpointIO):
+            self.async_save = True
+
     def state_dict(self, module: nn.Module) -> dict[str, Any]:
         return sharded_model_state_dict(module)
 

@@ -128,8 +128,15 @@ class RaggedFSDPFabricStrategy(RaggedParallel, ParallelStrategy):
             state_dict_type, checkpoint_compression, async_checkpoint,
             trust_checkpoint=trust_checkpoint, verify_checksums=verify_checksums,
         )
+        self.checkpoints.adopt(checkpoint_io, type(self).__name__)
 
     # ------------------------------------------------------------- properties
+    @ParallelStrategy.checkpoint_io.setter
+    def checkpoint_io(self, io: CheckpointIO) -> None:
+        """A plugin from ``Fabric(plugins=[...])``: see ``LightningCheckpointIO.adopt``."""
+        self.checkpoints.adopt(io, type(self).__name__)
+        self._checkpoint_io = io
+
     @property
     def precision(self) -> Precision:
         return self._precision if self._precision is not None else Precision()

@@ -6,7 +6,7 @@
 - Lightning's ``StochasticWeightAveraging`` copies the module into ``torch.optim.swa_utils.AveragedModel``
   before it is sharded and then averages full tensors into 1-D shards; Lightning refuses SWA for its
   own sharded strategies, and so does this one (``WeightAveraging`` and its EMA average the shards
-  instead: ``weight_averaging.py``).
+  instead: ``weight_averaging.py``). ``ModelPruning`` masks whole tensors: refused too.
 - ``Trainer(sync_batchnorm=True)``: the BatchNorm layers become torch's ``SyncBatchNorm`` before
   sharding (as Lightning's DDP and FSDP strategies do), which runs on accelerators only, so on CPU
   a model with BatchNorm layers is refused up front rather than at the first forward.
@@ -65,9 +65,9 @@ def check_reused_module(model: nn.Module, settings: Mapping[str, str]) -> None:
         )
 
 
-def refuse_stochastic_weight_averaging(trainer: "pl.Trainer") -> None:
-    """Lightning's SWA callback averages a full copy into the shards and re-runs BatchNorm statistics: refuse it."""
-    from lightning.pytorch.callbacks import StochasticWeightAveraging
+def refuse_unsupported_callbacks(trainer: "pl.Trainer") -> None:
+    """Lightning callbacks that rewrite parameters as full tensors: refused by name, with what to use instead."""
+    from lightning.pytorch.callbacks import ModelPruning, StochasticWeightAveraging
 
     for callback in trainer.callbacks:
         if isinstance(callback, StochasticWeightAveraging):
@@ -77,6 +77,13 @@ def refuse_stochastic_weight_averaging(trainer: "pl.Trainer") -> None:
                 "strategy's 1-D shards (Lightning refuses SWA for its sharded strategies too). Use Lightning's "
                 "WeightAveraging callback (e.g. WeightAveraging(avg_fn=get_swa_avg_fn()) for SWA's equal-weight "
                 "average, or EMAWeightAveraging): under this strategy it averages each rank's shards."
+            )
+        if isinstance(callback, ModelPruning):
+            raise ValueError(
+                "RaggedFSDPStrategy does not support the ModelPruning callback: torch.nn.utils.prune replaces each "
+                "pruned weight by weight_orig * mask, a mask ranked over the whole tensor, while under this strategy "
+                "a module's weight is this rank's 1-D shard between steps. Prune the unsharded model before training "
+                "(torch.nn.utils.prune, then prune.remove), or the consolidated weights after it."
             )
 
 

@@ -62,7 +62,7 @@ from lightning_ragged.lightning.sharding import (
 )
 from lightning_ragged.lightning.weight_averaging import average_shards, defer_full_copies
 from lightning_ragged.lightning.run_checks import (
-    apply_sync_batchnorm, check_reused_module, describe, refuse_stochastic_weight_averaging, remember_settings,
+    apply_sync_batchnorm, check_reused_module, describe, refuse_unsupported_callbacks, remember_settings,
 )
 from lightning_ragged.observability.flight_recorder import configure_flight_recorder
 from lightning_ragged.observability.tuning import TUNING_FILE, read_recommendation
@@ -202,6 +202,7 @@ class RaggedFSDPStrategy(RaggedParallel, ParallelStrategy):
             state_dict_type, checkpoint_compression, async_checkpoint,
             trust_checkpoint=trust_checkpoint, verify_checksums=verify_checksums,
         )
+        self.ragged_checkpoints.adopt(checkpoint_io, type(self).__name__)
         self.sync_grads_each_micro_batch = sync_grads_each_micro_batch
         self.metrics = metrics
         self.monitor_port = monitor_port
@@ -241,6 +242,12 @@ class RaggedFSDPStrategy(RaggedParallel, ParallelStrategy):
     def replicate_process_group(self) -> Optional[dist.ProcessGroup]:
         """The HSDP replica group (``None`` without HSDP)."""
         return self._replicate_group
+
+    @ParallelStrategy.checkpoint_io.setter
+    def checkpoint_io(self, io: CheckpointIO) -> None:
+        """A plugin from ``Trainer(plugins=[...])``: see ``LightningCheckpointIO.adopt``."""
+        self.ragged_checkpoints.adopt(io, type(self).__name__)
+        self._checkpoint_io = io
 
     @property
     def precision_plugin(self) -> Precision:
@@ -332,7 +339,7 @@ class RaggedFSDPStrategy(RaggedParallel, ParallelStrategy):
         # signal then only sets a flag that all ranks agree on at a batch end (preemption.py, issue 10).
         attach_slurm_requeue(trainer, self.cluster_environment)
         use_global_parameter_counts(trainer)  # ModelSummary counts unsharded parameters, not this rank's shards
-        refuse_stochastic_weight_averaging(trainer)
+        refuse_unsupported_callbacks(trainer)
         assert self.model is not None
         assert self.accelerator is not None
         self.accelerator.setup(trainer)

@@ -226,6 +226,39 @@ def main_mode(results: dict) -> None:
     _, meta_fit = fit("ragged_fsdp", seed=3, meta=True)
     results["meta_fit_param_diff"] = worst(max_diff(full_params(eager_fit), full_params(meta_fit)))
 
+    # Every rank raises in the same step: OnExceptionCheckpoint writes a complete checkpoint of the weights the
+    # exception found (the one-rank case, where nothing may be written, is tests/test_exception_agreement.py).
+    from lightning.pytorch.callbacks import OnExceptionCheckpoint
+
+    from lightning_ragged.checkpoint import consolidate
+
+    exception_dir = strategy.broadcast(tempfile.mkdtemp(prefix="ragged_exc_") if rank == 0 else None)
+    L.seed_everything(0, verbose=False)
+    failing = FailsEverywhere()
+    try:
+        cpu_trainer("ragged_fsdp", 2, 4, callbacks=[OnExceptionCheckpoint(exception_dir)]).fit(
+            failing, token_loader(4 * 2 * BATCH, BATCH))
+        results["exception_raised"] = False
+    except RuntimeError as error:
+        results["exception_raised"] = "failing on every rank" in str(error)
+    weights = full_params(failing)
+    dist.barrier()
+    if rank == 0:
+        consolidated = os.path.join(exception_dir, "consolidated.ckpt")
+        consolidate(os.path.join(exception_dir, "on_exception.ckpt"), consolidated)
+        saved = torch.load(consolidated, weights_only=False)
+        results["exception_ckpt_step"] = saved["global_step"]
+        results["exception_ckpt_diff"] = max_diff(saved["state_dict"], weights)
+        shutil.rmtree(exception_dir, ignore_errors=True)
+    dist.barrier()
+
+
+class FailsEverywhere(LitTinyGPT):
+    def training_step(self, batch, batch_idx):
+        if self.global_step == 2:
+            raise RuntimeError("failing on every rank at step 2")
+        return super().training_step(batch, batch_idx)
+
 
 def slurm_hsdp_mode(results: dict) -> None:
     """Started by the test as a simulated SLURM job: 2 nodes x 2 tasks on this machine.

@@ -372,6 +372,13 @@ def test_bf16_mixed_and_bf16_true_train(main_run: dict) -> None:
     assert max(abs(a - b) for a, b in zip(ddp_losses, ragged_losses)) <= 0.02, (ddp_losses, ragged_losses)
 
 
+def test_an_exception_on_every_rank_saves_a_complete_checkpoint(main_run: dict) -> None:
+    """All ranks raise in step 3: OnExceptionCheckpoint's sharded save runs (the exception is re-raised after it)."""
+    assert main_run["exception_raised"]
+    assert main_run["exception_ckpt_step"] == 2
+    assert main_run["exception_ckpt_diff"] == 0.0  # the weights as the exception left them, every rank's part
+
+
 def test_meta_device_init_equals_eager_init(main_run: dict) -> None:
     assert main_run["meta_built_on_meta"]
     assert main_run["meta_init_diff"] == 0.0

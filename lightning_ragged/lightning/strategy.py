@@ -51,6 +51,7 @@ from lightning_ragged.engine.api import DEFAULT_DBUFFER_SIZE, auto_plan_for, get
 from lightning_ragged.layout.granularity import GranularityPolicy
 from lightning_ragged.lightning.callbacks import add_metrics_callback
 from lightning_ragged.lightning.checkpoint_io import LightningCheckpointIO
+from lightning_ragged.lightning.exception_agreement import add_exception_agreement
 from lightning_ragged.lightning.knobs import check_strategy_knobs, without_fsdp2_defaults
 from lightning_ragged.engine.torch_state_dict import hook_optimizer
 from lightning_ragged.lightning.preemption import attach as attach_slurm_requeue
@@ -125,6 +126,9 @@ class RaggedFSDPStrategy(RaggedParallel, ParallelStrategy):
     """
 
     strategy_name = "ragged_fsdp"
+
+    alone_in_exception = False
+    """Set while this rank handles an exception the other ranks do not (``exception_agreement.py``)."""
 
     averages_shards = True
     """``WeightAveraging`` callbacks average this strategy's shards (``weight_averaging.py``)."""
@@ -338,6 +342,8 @@ class RaggedFSDPStrategy(RaggedParallel, ParallelStrategy):
         # SLURM auto-requeue: Lightning registers its signal handlers right after `setup`; the requeue
         # signal then only sets a flag that all ranks agree on at a batch end (preemption.py, issue 10).
         attach_slurm_requeue(trainer, self.cluster_environment)
+        self.alone_in_exception = False
+        add_exception_agreement(trainer, self._timeout)  # no collective save while one rank raised alone
         use_global_parameter_counts(trainer)  # ModelSummary counts unsharded parameters, not this rank's shards
         refuse_unsupported_callbacks(trainer)
         assert self.model is not None
@@ -487,22 +493,32 @@ class RaggedFSDPStrategy(RaggedParallel, ParallelStrategy):
     ) -> Union[Tensor, Any]:
         return self._all_reduce(tensor, group, reduce_op)
 
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        if not self.alone_in_exception:  # the others are not coming (exception_agreement.py)
+            super().barrier(*args, **kwargs)
+
     # ---------------------------------------------------------- checkpoints
     # All checkpoint behaviour lives in `lightning/checkpoint_io.py`, over `lightning_ragged/checkpoint/` (issue 5).
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """DTensor views of this rank's shards (no gather); every rank calls it and writes its own part."""
         assert self.model is not None
+        if self.alone_in_exception:
+            return {}
         return self.ragged_checkpoints.state_dict(self.model)
 
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         """The optimizer's state keyed by parameter names, per-parameter states as DTensors of the shards."""
         assert self.model is not None
+        if self.alone_in_exception:
+            return {}
         return self.ragged_checkpoints.optimizer_state(self.model, optimizer)
 
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None
     ) -> None:
         """Collective: a sharded directory (or, with ``state_dict_type="full"``, one file), written atomically."""
+        if self.alone_in_exception:  # this rank raised alone: nothing is written (exception_agreement.py)
+            return
         path = self.broadcast(filepath)
         self.ragged_checkpoints.state_dict_type = self.state_dict_type
         self.ragged_checkpoints.save(checkpoint, path, storage_options)

@@ -1,0 +1,43 @@
+"""One rank raises in ``training_step`` at step 3 while the other trains on: ``python tests/exception_job.py OUT``.
+
+Run by ``tests/test_exception_agreement.py`` (Lightning's launcher, 2 gloo ranks). ``OnExceptionCheckpoint``
+would start a collective save on the failing rank alone; ``ModelCheckpoint`` saved after every step before.
+"""
+
+from __future__ import annotations
+
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import lightning.pytorch as L  # noqa: E402
+from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint  # noqa: E402
+
+from lightning_ragged import RaggedFSDPStrategy  # noqa: E402
+from tests.lightning_models import LitTinyGPT, cpu_trainer, token_loader  # noqa: E402
+
+AGREEMENT_S = 20  # the strategy's process-group timeout bounds the agreement's wait (60 s by default)
+
+
+class FailsOnOneRank(LitTinyGPT):
+    def training_step(self, batch, batch_idx):
+        if self.global_step == 2 and self.global_rank == 1:
+            raise RuntimeError("boom: a failure on rank 1 only")
+        return super().training_step(batch, batch_idx)
+
+
+def main() -> None:
+    out = Path(sys.argv[1])
+    L.seed_everything(0, verbose=False)
+    trainer = cpu_trainer(
+        RaggedFSDPStrategy(timeout=timedelta(seconds=AGREEMENT_S)), 2, 4,
+        callbacks=[OnExceptionCheckpoint(str(out / "on_exception")),
+                   ModelCheckpoint(dirpath=str(out / "periodic"), every_n_train_steps=1, save_top_k=-1)],
+    )
+    trainer.fit(FailsOnOneRank(), token_loader(4 * 2 * 4, 4))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,33 @@
+"""An exception on one rank while the others train: no collective save started alone, every process exits.
+
+Without the agreement (``lightning_ragged/lightning/exception_agreement.py``) the failing rank's
+``OnExceptionCheckpoint`` enters the sharded save's collectives while the other rank waits in the
+step's all-gather: both hang until the process-group timeout (Lightning #6430). The case where every
+rank raises, and the checkpoint is written, is in ``tests/lightning_runs.py`` (``main_run``).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from lightning_ragged.checkpoint import inspect_checkpoint
+from tests.test_strategy import ROOT, _clean_env
+
+HANG_S = 300  # a hang would last the process-group timeout; the job itself takes ~AGREEMENT_S + start-up
+
+
+def test_one_rank_failing_alone_exits_without_a_half_save(tmp_path) -> None:
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "exception_job.py"), str(tmp_path)],
+                          env=_clean_env(OMP_NUM_THREADS="1"), cwd=ROOT, capture_output=True, text=True,
+                          timeout=HANG_S)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode != 0, log[-3000:]
+    assert "boom: a failure on rank 1 only" in log, log[-3000:]  # the real error is shown, not hidden by a hang
+    assert "[rank 1] RaggedFSDPStrategy: RuntimeError on this rank, but not every rank" in log, log[-3000:]
+    # rank 0 then fails in its all-gather (PeerLostError) or is killed first by Lightning's launcher, which stops the
+    # job once a child process exits with an error: either way it exits, which is what is asserted above
+    assert not (tmp_path / "on_exception").exists() or not any((tmp_path / "on_exception").iterdir())
+    periodic = sorted((tmp_path / "periodic").iterdir())  # the checkpoints of the completed steps stay valid
+    assert [p.name for p in periodic] == ["epoch=0-step=1.ckpt", "epoch=0-step=2.ckpt"], periodic
+    assert inspect_checkpoint(periodic[-1]).meta["global_step"] == 2

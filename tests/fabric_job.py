@@ -125,6 +125,21 @@ def main(out: Path) -> None:
     results["bf16_ragged"] = lr.full_state_dict(ragged.module)
     results["bf16_fsdp2"] = train_fsdp2_bf16(batches, mixed.global_rank, mixed.world_size)
 
+    # 16-mixed: fp16 compute with a ShardedGradScaler in place of the plugin's GradScaler, clipped after unscaling,
+    # beside FSDP2 with the same policy and scaler (on CPU Fabric turns precision="16-mixed" into bf16: a plugin)
+    from lightning.fabric.plugins.precision import MixedPrecision
+
+    half = L.Fabric(accelerator="cpu", devices=2, strategy="ragged_fsdp",
+                    plugins=[MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", **FP16_SCALER))])
+    half.launch()
+    fp16 = half.setup_module(make_model(seed=0))
+    fp16_optimizer = half.setup_optimizers(torch.optim.AdamW(fp16.parameters(), lr=LR))
+    results["fp16_scaler"] = type(half.strategy.precision.scaler).__name__
+    results["fp16_init_scale"] = FP16_SCALER["init_scale"]
+    results["fp16_scales"] = train_fp16(half, fp16, fp16_optimizer, batches)
+    results["fp16_ragged"] = lr.full_state_dict(fp16.module)
+    results["fp16_fsdp2"], results["fp16_scales_fsdp2"] = train_fsdp2_fp16(batches, half.global_rank, half.world_size)
+
     # an asynchronous save as the script's last act: Fabric has no teardown, the process just ends. The
     # interpreter joins the save's thread first, then runs atexit: there the process leaves without the
     # teardown in which gloo sometimes aborts (tests/clean_exit.py), as every script of the tests does
@@ -136,6 +151,53 @@ def main(out: Path) -> None:
     if fabric.global_rank == 0:
         torch.save(results, out / "results.pt")
     last.save(out / "async", {"model": final, "step": STEPS})
+
+
+FP16_SCALER = dict(init_scale=2.0**19, growth_interval=1)  # overflows first, then grows back after each good step
+
+
+def train_fp16(fabric: L.Fabric, model, optimizer, batches: torch.Tensor) -> list[float]:
+    """Every step's loss scale after it (accumulated micro-batches, clipping after the unscale)."""
+    per_rank = BATCH // fabric.world_size
+    rank, scales = fabric.global_rank, []
+    for step in range(STEPS):
+        for micro in range(MICRO):
+            with fabric.no_backward_sync(model, enabled=micro < MICRO - 1):
+                fabric.backward(lm_loss(model, batches[step, micro, rank * per_rank : (rank + 1) * per_rank]) / MICRO)
+        fabric.clip_gradients(model, optimizer, max_norm=MAX_NORM, error_if_nonfinite=False)
+        optimizer.step()
+        optimizer.zero_grad()
+        scales.append(fabric.strategy.precision.scaler.get_scale())
+    return scales
+
+
+def train_fsdp2_fp16(batches: torch.Tensor, rank: int, world: int) -> tuple[dict[str, torch.Tensor], list[float]]:
+    """The same steps with torch's FSDP2, autocast and its ShardedGradScaler, as its users write them."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+    from torch.distributed.tensor import DTensor
+
+    model = make_model(seed=0)
+    policy = MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float32)
+    for block in model.blocks:
+        fully_shard(block, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    scaler, scales = ShardedGradScaler("cpu", **FP16_SCALER), []
+    per_rank = BATCH // world
+    for step in range(STEPS):
+        for micro in range(MICRO):
+            model.set_requires_gradient_sync(micro == MICRO - 1)
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = lm_loss(model, batches[step, micro, rank * per_rank : (rank + 1) * per_rank]) / MICRO
+            scaler.scale(loss).backward()
+        scaler.unscale_(optimizer)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad()
+        scales.append(scaler.get_scale())
+    return {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in model.state_dict().items()}, scales
 
 
 def train_fsdp2_bf16(batches: torch.Tensor, rank: int, world: int) -> dict[str, torch.Tensor]:

@@ -207,6 +207,7 @@ def main_mode(results: dict) -> None:
         results[f"bf16_mixed_regression_losses_{name}"] = regression.losses
         with torch.no_grad():  # outside Lightning's autocast (a callback, after fit): the owners of the weights cast
             results[f"bf16_mixed_plain_forward_{name}"] = str(regression.model(torch.randn(2, 4)).dtype)
+    fp16_mode(results)
     _, half = fit("ragged_fsdp", steps=16, precision="bf16-true")
     results["bf16_true_losses"] = half.losses
     results["bf16_true_dtypes"] = sorted({str(p.dtype) for p in half.parameters()})
@@ -251,6 +252,73 @@ def main_mode(results: dict) -> None:
         results["exception_ckpt_diff"] = max_diff(saved["state_dict"], weights)
         shutil.rmtree(exception_dir, ignore_errors=True)
     dist.barrier()
+
+
+FP16_STEPS = 10
+FP16_SCALER = dict(init_scale=2.0**22, growth_interval=2)  # overflows in the first steps, grows back every 2 good ones
+
+
+class RecordsBatches(LitTinyGPT):
+    """Records each training batch and, after each step, the loss scale (for the FSDP2 replay)."""
+
+    def __init__(self) -> None:
+        super().__init__(lr=0.05)
+        self.batches: list[torch.Tensor] = []
+        self.scales: list[float] = []
+
+    def training_step(self, batch, batch_idx):
+        self.batches.append(batch[0].clone())
+        return super().training_step(batch, batch_idx)
+
+    def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
+        self.scales.append(self.trainer.precision_plugin.scaler.get_scale())
+
+
+def fp16_mode(results: dict) -> None:
+    """``"16-mixed"`` (fp16 compute, fp32 reduction and master shards, a ShardedGradScaler) against torch's FSDP2
+    replaying the same batches with the same policy, autocast and scaler. On CPU Lightning turns
+    ``precision="16-mixed"`` into bf16, so the plugin is given explicitly, as a GPU run would build it."""
+    from lightning.pytorch.plugins.precision import MixedPrecision
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    L.seed_everything(0, verbose=False)
+    ragged = RecordsBatches()
+    plugin = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", **FP16_SCALER))
+    trainer = make_trainer("ragged_fsdp", 2, FP16_STEPS, plugins=[plugin])
+    trainer.fit(ragged, token_loader(FP16_STEPS * 2 * BATCH, BATCH))
+    results["fp16_scaler"] = type(trainer.precision_plugin.scaler).__name__
+    results["fp16_dtypes"] = sorted({
+        f"{d.master_dtype}/{d.param_dtype}/{d.reduce_dtype}" for d in get_state(ragged).dbuffers()
+    })
+    L.seed_everything(0, verbose=False)
+    reference = RecordsBatches()
+    policy = MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float32)
+    for block in reference.model.blocks:
+        fully_shard(block, mp_policy=policy)
+    fully_shard(reference, mp_policy=policy)
+    optimizer = reference.configure_optimizers()
+    scaler = ShardedGradScaler("cpu", **FP16_SCALER)
+    for tokens in ragged.batches:
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = reference._loss((tokens,))
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad()
+        reference.losses.append(loss.item())
+        reference.scales.append(scaler.get_scale())
+    results["fp16_scales"] = ragged.scales
+    results["fp16_scales_fsdp2"] = reference.scales
+    results["fp16_loss_diff"] = worst(loss_diff(ragged, reference))
+    full = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in reference.state_dict().items()}
+    results["fp16_param_diff"] = worst(max_diff(full_params(ragged), full))
+    results["fp16_moved"] = worst(max_diff(full_params(ragged), {k: v for k, v in _initial_weights().items()}))
+
+
+def _initial_weights() -> dict[str, torch.Tensor]:
+    L.seed_everything(0, verbose=False)
+    return {k: v.clone() for k, v in RecordsBatches().state_dict().items()}
 
 
 class FailsEverywhere(LitTinyGPT):

@@ -114,6 +114,18 @@ def test_fabric_bf16_mixed_matches_fsdp2_with_the_same_policy(fabric_run, oracle
     assert _max_diff(results["bf16_ragged"], results["bf16_fsdp2"]) <= 0.1 * bf16_distance
 
 
+def test_fabric_fp16_mixed_matches_fsdp2_with_the_same_policy_and_scaler(fabric_run) -> None:
+    """16-mixed with accumulation and clipping: the same skipped steps and loss scales as FSDP2's ShardedGradScaler."""
+    results, _ = fabric_run
+    assert results["fp16_scaler"] == "ShardedGradScaler"
+    scales = [results["fp16_init_scale"], *results["fp16_scales"]]
+    assert results["fp16_scales"] == results["fp16_scales_fsdp2"], (scales, results["fp16_scales_fsdp2"])
+    changes = [b / a for a, b in zip(scales, scales[1:])]
+    assert 0.5 in changes and 2.0 in changes, scales  # steps skipped (scale halved) and taken (grown)
+    # the same fp16 casts of the same values; only the reductions' order may differ (fp32 sums)
+    assert _max_diff(results["fp16_ragged"], results["fp16_fsdp2"]) <= 1e-3
+
+
 def test_fabric_async_save_completes_when_the_script_ends(fabric_run, tmp_path) -> None:
     """The background write and the publish finish before the processes exit (no teardown call needed)."""
     from lightning_ragged.checkpoint import consolidate
@@ -127,7 +139,7 @@ def test_fabric_async_save_completes_when_the_script_ends(fabric_run, tmp_path) 
 # ------------------------------------------------------------ in-process (no processes)
 def test_fabric_refuses_bad_settings_before_launch() -> None:
     import lightning as L
-    from lightning.fabric.plugins.precision import MixedPrecision, Precision
+    from lightning.fabric.plugins.precision import Precision
 
     from lightning_ragged.lightning.fabric_strategy import RaggedFSDPFabricStrategy
 
@@ -135,8 +147,6 @@ def test_fabric_refuses_bad_settings_before_launch() -> None:
 
     fabric = L.Fabric(accelerator="cpu", devices=2, strategy="ragged_fsdp", precision="bf16-mixed")
     assert type(fabric.strategy) is RaggedFSDPFabricStrategy is lightning_ragged.RaggedFSDPFabricStrategy
-    with pytest.raises(ValueError, match="16-mixed.*bf16-mixed"):
-        RaggedFSDPFabricStrategy(precision=MixedPrecision("16-mixed", "cpu"))
     with pytest.raises(ValueError, match="precision plugin Custom.*32-true"):
         RaggedFSDPFabricStrategy(precision=type("Custom", (Precision,), {})())
     with pytest.raises(ValueError, match="dbuffer_size='recommended'.*pass the bytes"):

@@ -63,13 +63,34 @@ def test_registered_name_builds_the_strategy_and_ragged_precision() -> None:
     assert (policy.param_dtype, policy.reduce_dtype) == (torch.bfloat16, torch.float32)
 
 
-def test_fp16_amp_is_refused_with_the_alternatives() -> None:
+def test_fp16_amp_gets_a_sharded_grad_scaler_with_the_plugins_settings() -> None:
+    import torch
     from lightning.pytorch.plugins.precision import MixedPrecision
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
-    from lightning_ragged.lightning.precision import to_ragged_precision
+    from lightning_ragged.lightning.precision import RaggedMixedPrecision, to_ragged_precision
 
-    with pytest.raises(ValueError, match=r"16-mixed.*bf16-mixed"):
-        to_ragged_precision(MixedPrecision("16-mixed", "cpu"))
+    given = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_factor=4.0, backoff_factor=0.25, growth_interval=7)
+    plugin = to_ragged_precision(MixedPrecision("16-mixed", "cpu", scaler=given))
+    assert type(plugin) is RaggedMixedPrecision and isinstance(plugin.scaler, ShardedGradScaler)
+    scaler = plugin.scaler
+    assert (scaler.get_scale(), scaler.get_growth_factor(), scaler.get_backoff_factor(),
+            scaler.get_growth_interval()) == (1024.0, 4.0, 0.25, 7)
+    policy = plugin.mp_policy()
+    assert (policy.param_dtype, policy.reduce_dtype) == (torch.float16, torch.float32)
+
+
+def test_fp16_amp_matches_fsdp2_with_the_same_policy_and_scaler(main_run: dict) -> None:
+    """Overflowing steps are skipped on every rank alike and the scale grows back, step for step as FSDP2's."""
+    assert main_run["fp16_scaler"] == "ShardedGradScaler"
+    assert main_run["fp16_dtypes"] == ["torch.float32/torch.float16/torch.float32"]
+    scales = main_run["fp16_scales"]
+    assert scales == main_run["fp16_scales_fsdp2"], (scales, main_run["fp16_scales_fsdp2"])
+    changes = [b / a for a, b in zip([2.0**22, *scales], scales)]
+    assert 0.5 in changes and 2.0 in changes, scales  # steps skipped (scale halved) and taken (grown)
+    # the same fp16 casts of the same values; only the reductions' order may differ (fp32 sums)
+    assert main_run["fp16_loss_diff"] <= 1e-3 and main_run["fp16_param_diff"] <= 1e-3, main_run
+    assert main_run["fp16_moved"] > 1e-2, main_run  # the steps that were not skipped trained
 
 
 def test_checkpoint_plugins_are_adopted_or_refused_never_ignored() -> None:

@@ -45,7 +45,7 @@ from lightning_ragged.lightning.checkpoint_io import LightningCheckpointIO
 from lightning_ragged.lightning.parallel import RaggedParallel
 from lightning_ragged.lightning.knobs import check_strategy_knobs, unsupported_precision, without_fsdp2_defaults
 from lightning_ragged.lightning.sharding import (
-    ModuleSpec, hsdp_groups, mp_policy_for, replicate_degree_for, shard_module,
+    ModuleSpec, hsdp_groups, mp_policy_for, replicate_degree_for, shard_module, sharded_scaler,
 )
 from lightning_ragged.observability.flight_recorder import configure_flight_recorder
 
@@ -230,10 +230,12 @@ class RaggedFSDPFabricStrategy(RaggedParallel, ParallelStrategy):
         error_if_nonfinite: bool = True,
     ) -> Tensor:
         """The global norm over every rank's shards (the same on every rank), as DDP's clipping."""
+        self.precision.unscale_gradients(optimizer)  # 16-mixed: clip the true gradients (once per step)
         target = clip_target(_sharded(module), self.precision.main_params(optimizer))
         return clip_grad_norm_(target, max_norm, norm_type=norm_type, error_if_nonfinite=error_if_nonfinite)
 
     def clip_gradients_value(self, module: nn.Module, optimizer: Optimizer, clip_val: Union[float, int]) -> None:
+        self.precision.unscale_gradients(optimizer)
         clip_grad_value_(clip_target(_sharded(module), self.precision.main_params(optimizer)), clip_val)
 
     # ---------------------------------------------------------- collectives
@@ -305,7 +307,10 @@ def _check_fresh(optimizer: Optimizer, names: dict[int, str]) -> None:
 
 
 def _check_precision(precision: Precision, owner: str) -> None:
+    """Refuse what the engine cannot run; ``"16-mixed"`` gets a ``ShardedGradScaler`` (``sharded_scaler``)."""
     name = getattr(precision, "precision", None)
     supported = type(precision) in (Precision, DoublePrecision, HalfPrecision)
-    if not (supported or (type(precision) is MixedPrecision and name == "bf16-mixed")):
+    if not (supported or (type(precision) is MixedPrecision and name in ("bf16-mixed", "16-mixed"))):
         raise unsupported_precision(owner, type(precision).__name__, name)
+    if isinstance(precision, MixedPrecision):
+        precision.scaler = sharded_scaler(precision.scaler, precision.device)

@@ -417,17 +417,11 @@ def check_strategy_knobs(
         )
 
 
-SUPPORTED_PRECISION = ("32-true", "bf16-mixed", "bf16-true", "16-true", "64-true")
+SUPPORTED_PRECISION = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true", "64-true")
 
 
 def unsupported_precision(owner: str, plugin: str, precision: Optional[str]) -> ValueError:
     """The error for a precision (plugin) the strategies cannot run, with what to choose instead."""
-    if precision == "16-mixed":
-        return ValueError(
-            f"{owner} does not support `precision='16-mixed'`: fp16 AMP needs a gradient scaler whose inf/NaN check "
-            "is all-reduced over the shards, which is not implemented. Use `precision='bf16-mixed'` (same memory "
-            "and speed, no scaler needed), `'bf16-true'` or `'32-true'`."
-        )
     return ValueError(
         f"{owner} does not support the precision plugin {plugin}"
         f"{f' (precision={precision!r})' if precision else ''}. "

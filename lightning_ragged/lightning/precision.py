@@ -5,13 +5,14 @@ swaps it for the matching subclass below. The subclasses change two things:
 
 * clipping uses the sharded, globally all-reduced norm (``grad_clip.py``) instead of
   ``torch.nn.utils.clip_grad_norm_`` on local shards (which would clip by a local norm);
-* ``mp_policy()`` tells the engine how to cast: ``"bf16-mixed"`` all-gathers and computes
-  in bf16 and reduces gradients in fp32, while the shards (optimizer's master weights)
-  stay fp32 — the DBuffer casts once per flat buffer, not per parameter. Lightning's
-  autocast stays on for the ops that want fp32 (softmax, norms, losses).
+* ``mp_policy()`` tells the engine how to cast: ``"bf16-mixed"`` (``"16-mixed"``) all-gathers
+  and computes in bf16 (fp16) and reduces gradients in fp32, while the shards (optimizer's
+  master weights) stay fp32 — the DBuffer casts once per flat buffer, not per parameter.
+  Lightning's autocast stays on for the ops that want fp32 (softmax, norms, losses).
 
-``"16-mixed"`` (fp16 AMP with a gradient scaler) is refused: it needs a sharded grad
-scaler whose found-inf flag is all-reduced, which is not implemented.
+``"16-mixed"`` keeps Lightning's loss scaling with torch's ``ShardedGradScaler`` in place of
+the plugin's ``GradScaler`` (``sharding.sharded_scaler``): its inf/NaN flag is all-reduced, so
+every rank skips the same steps.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from torch.optim import Optimizer
 
 from lightning_ragged.engine.grad_clip import clip_grad_norm_, clip_grad_value_, clip_target
 from lightning_ragged.lightning.knobs import unsupported_precision
-from lightning_ragged.lightning.sharding import mp_policy_for
+from lightning_ragged.lightning.sharding import mp_policy_for, sharded_scaler
 
 
 class _RaggedClipping:
@@ -59,7 +60,8 @@ class RaggedHalfPrecision(_RaggedClipping, HalfPrecision):
 
 
 class RaggedMixedPrecision(_RaggedClipping, MixedPrecision):
-    """``"bf16-mixed"``: bf16 all-gather and compute, fp32 gradient reduction and master shards."""
+    """``"bf16-mixed"`` / ``"16-mixed"``: bf16 / fp16 all-gather and compute, fp32 gradient reduction and master
+    shards; fp16 with a ``ShardedGradScaler``."""
 
     def mp_policy(self) -> Optional[MixedPrecisionPolicy]:
         return mp_policy_for(self.precision)
@@ -76,6 +78,6 @@ def to_ragged_precision(plugin: Optional[Precision], strategy_name: str = "Ragge
         return RaggedDoublePrecision()
     if type(plugin) is HalfPrecision:
         return RaggedHalfPrecision(plugin.precision)
-    if type(plugin) is MixedPrecision and precision == "bf16-mixed":
-        return RaggedMixedPrecision("bf16-mixed", plugin.device)
+    if type(plugin) is MixedPrecision and precision in ("bf16-mixed", "16-mixed"):
+        return RaggedMixedPrecision(precision, plugin.device, sharded_scaler(plugin.scaler, plugin.device))
     raise unsupported_precision(strategy_name, type(plugin).__name__, precision)

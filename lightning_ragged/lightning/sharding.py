@@ -73,11 +73,30 @@ def replicate_degree_for(replicate_degree: Union[int, str], num_nodes: int, worl
 
 
 def mp_policy_for(precision: Optional[str]) -> Optional[MixedPrecisionPolicy]:
-    """``"bf16-mixed"``: bf16 all-gathers and compute, fp32 reduction and master shards; else none (the
-    ``*-true`` precisions convert the module itself before sharding)."""
-    if precision == "bf16-mixed":
-        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    """``"bf16-mixed"`` / ``"16-mixed"``: bf16 / fp16 all-gathers and compute, fp32 reduction and master shards;
+    else none (the ``*-true`` precisions convert the module itself before sharding)."""
+    if precision in ("bf16-mixed", "16-mixed"):
+        dtype = torch.bfloat16 if precision == "bf16-mixed" else torch.float16
+        return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
     return None
+
+
+def sharded_scaler(scaler: Any, device: str) -> Any:
+    """``"16-mixed"``: torch's ``ShardedGradScaler`` with the settings of the plugin's ``GradScaler``.
+
+    A plain ``GradScaler`` checks for inf/NaN in this rank's gradient shards only, so ranks could
+    disagree on skipping a step; the sharded one all-reduces that flag over every rank (HSDP
+    replicas included), as FSDP's does. One given as a ``ShardedGradScaler`` is kept.
+    """
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    if scaler is None or isinstance(scaler, ShardedGradScaler):
+        return scaler
+    return ShardedGradScaler(
+        device=device, init_scale=scaler.get_scale(), growth_factor=scaler.get_growth_factor(),
+        backoff_factor=scaler.get_backoff_factor(), growth_interval=scaler.get_growth_interval(),
+        enabled=scaler.is_enabled(),
+    )
 
 
 def shard_module(

@@ -23,6 +23,7 @@ __all__ = [
     "RaggedFSDPStrategy",
     "RaggedShard",
     "RaggedShardBoundaryViolation",
+    "ShardAveragedModel",
     "TensorSpec",
     "clip_grad_norm_",
     "clip_grad_value_",
@@ -53,6 +54,10 @@ def __getattr__(name: str):
         from lightning_ragged.lightning.fabric_strategy import RaggedFSDPFabricStrategy
 
         return RaggedFSDPFabricStrategy
+    if name == "ShardAveragedModel":  # an EMA / weight average of a sharded module's shards
+        from lightning_ragged.lightning.weight_averaging import ShardAveragedModel
+
+        return ShardAveragedModel
     if name == "optim":  # `import lightning_ragged; lightning_ragged.optim.Muon` without a second import
         import importlib
 

@@ -23,7 +23,7 @@ from lightning_ragged.lightning.fabric_strategy import RaggedFSDPFabricStrategy
 from tests.clean_exit import exit_without_teardown
 from tests.models import TinyLM, lm_loss, make_batches, make_model
 
-STEPS, SAVE_AT, MICRO, BATCH, MAX_NORM, LR = 6, 3, 2, 4, 0.5, 1e-2
+STEPS, SAVE_AT, MICRO, BATCH, MAX_NORM, LR, EMA_DECAY = 6, 3, 2, 4, 0.5, 1e-2, 0.7
 """Every step: MICRO micro-batches of BATCH sequences over the ranks; clipping at MAX_NORM is active (norms ~1)."""
 
 
@@ -38,8 +38,9 @@ REDUCES: list[int] = []
 """The engine's reductions during each micro-batch's backward, for every step ``train`` ran."""
 
 
-def train(fabric: L.Fabric, model, optimizer, batches: torch.Tensor, steps: range) -> list[float]:
-    """Steps of MICRO accumulated micro-batches, the gradients reduced once per step; the clipping norms."""
+def train(fabric: L.Fabric, model, optimizer, batches: torch.Tensor, steps: range, ema=None) -> list[float]:
+    """Steps of MICRO accumulated micro-batches, the gradients reduced once per step; the clipping norms.
+    ``ema``: a ``ShardAveragedModel`` updated after every step."""
     per_rank = BATCH // fabric.world_size
     rank = fabric.global_rank
     stats = lr.get_state(model.module).stats
@@ -54,7 +55,23 @@ def train(fabric: L.Fabric, model, optimizer, batches: torch.Tensor, steps: rang
         norms.append(fabric.clip_gradients(model, optimizer, max_norm=MAX_NORM).item())
         optimizer.step()
         optimizer.zero_grad()
+        if ema is not None:
+            ema.update_parameters(model.module)
     return norms
+
+
+def make_ema(model) -> "lr.ShardAveragedModel":
+    from torch.optim.swa_utils import get_ema_multi_avg_fn
+
+    return lr.ShardAveragedModel(model.module, multi_avg_fn=get_ema_multi_avg_fn(EMA_DECAY))
+
+
+def average_of(ema, model) -> dict[str, torch.Tensor]:
+    """The average's full tensors, read through the model (swapped in, gathered, swapped back)."""
+    ema.swap(model.module)
+    average = lr.full_state_dict(model.module)
+    ema.swap(model.module)
+    return average
 
 
 def main(out: Path) -> None:
@@ -67,23 +84,28 @@ def main(out: Path) -> None:
     model = make_model(seed=0)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     model, optimizer = fabric.setup(model, optimizer)
-    norms = train(fabric, model, optimizer, batches, range(SAVE_AT))
-    fabric.save(out / "sharded", {"model": model, "optimizer": optimizer, "step": SAVE_AT})
-    norms += train(fabric, model, optimizer, batches, range(SAVE_AT, STEPS))
+    ema = make_ema(model)  # an EMA of the shards, saved and resumed with the model
+    norms = train(fabric, model, optimizer, batches, range(SAVE_AT), ema)
+    fabric.save(out / "sharded", {"model": model, "optimizer": optimizer, "ema": ema, "step": SAVE_AT})
+    norms += train(fabric, model, optimizer, batches, range(SAVE_AT, STEPS), ema)
     results["norms"], results["reduces"] = norms, list(REDUCES)
     results["dbuffers"] = len(list(lr.get_state(model.module).dbuffers()))
     results["uninterrupted"] = lr.full_state_dict(model.module)
+    results["ema_uninterrupted"] = average_of(ema, model)
+    results["after_swaps"] = lr.full_state_dict(model.module)  # swapped in and back: the trained weights again
 
     # resume: a model built on the meta device, set up first, then its optimizer
     with fabric.init_module(empty_init=True):
         resumed = MetaReadyLM()
     resumed = fabric.setup_module(resumed)
     resumed_optimizer = fabric.setup_optimizers(torch.optim.AdamW(resumed.parameters(), lr=LR))
-    state = {"model": resumed, "optimizer": resumed_optimizer, "step": 0}
+    resumed_ema = make_ema(resumed)
+    state = {"model": resumed, "optimizer": resumed_optimizer, "ema": resumed_ema, "step": 0}
     results["remainder"] = fabric.load(out / "sharded", state)
     results["loaded_step"] = state["step"]
-    train(fabric, resumed, resumed_optimizer, batches, range(SAVE_AT, STEPS))
+    train(fabric, resumed, resumed_optimizer, batches, range(SAVE_AT, STEPS), resumed_ema)
     results["resumed"] = lr.full_state_dict(resumed.module)
+    results["ema_resumed"] = average_of(resumed_ema, resumed)
 
     # reshard: the world-2 checkpoint into HSDP with 2 replicas of 1 shard, then one full file
     full = L.Fabric(
@@ -92,14 +114,18 @@ def main(out: Path) -> None:
     full.launch()
     replica = full.setup_module(make_model(seed=7))
     replica_optimizer = full.setup_optimizers(torch.optim.AdamW(replica.parameters(), lr=LR))
-    full.load(out / "sharded", {"model": replica, "optimizer": replica_optimizer})
-    train(full, replica, replica_optimizer, batches, range(SAVE_AT, STEPS))
+    replica_ema = make_ema(replica)
+    full.load(out / "sharded", {"model": replica, "optimizer": replica_optimizer, "ema": replica_ema})
+    train(full, replica, replica_optimizer, batches, range(SAVE_AT, STEPS), replica_ema)
     results["replica"] = lr.full_state_dict(replica.module)
-    full.save(out / "full.ckpt", {"model": replica, "optimizer": replica_optimizer, "step": STEPS})
+    results["ema_replica"] = average_of(replica_ema, replica)
+    full.save(out / "full.ckpt", {"model": replica, "optimizer": replica_optimizer, "ema": replica_ema, "step": STEPS})
     reloaded = full.setup_module(make_model(seed=9))
-    state = {"model": reloaded, "step": 0}
+    reloaded_ema = make_ema(reloaded)
+    state = {"model": reloaded, "ema": reloaded_ema, "step": 0}
     full.load(out / "full.ckpt", state)
     results["reloaded"], results["reloaded_step"] = lr.full_state_dict(reloaded.module), state["step"]
+    results["ema_reloaded"] = average_of(reloaded_ema, reloaded)
     # fabric.load_raw: a plain state-dict file; a filtered save (only the norms) loaded with strict=False
     if full.global_rank == 0:
         torch.save(results["replica"], out / "raw.pt")

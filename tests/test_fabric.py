@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch import nn
 
-from tests.fabric_job import BATCH, LR, MAX_NORM, MICRO, SAVE_AT, STEPS
+from tests.fabric_job import BATCH, EMA_DECAY, LR, MAX_NORM, MICRO, SAVE_AT, STEPS
 from tests.models import lm_loss, make_batches, make_model
 from tests.test_strategy import ROOT, _clean_env
 
@@ -35,12 +35,15 @@ def fabric_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path]:
 
 
 @pytest.fixture(scope="module")
-def oracle() -> tuple[dict[str, torch.Tensor], list[float], dict[str, torch.Tensor]]:
-    """The same steps in one process: the whole global batch per micro-batch, torch's clipping; (final state,
-    clipping norms, state after SAVE_AT steps)."""
+def oracle() -> tuple[dict[str, torch.Tensor], list[float], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """The same steps in one process: the whole global batch per micro-batch, torch's clipping, torch's
+    ``AveragedModel`` EMA; (final state, clipping norms, state after SAVE_AT steps, the final average)."""
+    from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
     batches = make_batches(STEPS * MICRO, BATCH).view(STEPS, MICRO, BATCH, -1)
     model = make_model(seed=0)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    ema = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(EMA_DECAY))
     norms = []
     for step in range(STEPS):
         for micro in range(MICRO):
@@ -48,9 +51,10 @@ def oracle() -> tuple[dict[str, torch.Tensor], list[float], dict[str, torch.Tens
         norms.append(nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM).item())
         optimizer.step()
         optimizer.zero_grad()
+        ema.update_parameters(model)
         if step == SAVE_AT - 1:
             midway = {k: v.clone() for k, v in model.state_dict().items()}
-    return model.state_dict(), norms, midway
+    return model.state_dict(), norms, midway, ema.module.state_dict()
 
 
 def _max_diff(state: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> float:
@@ -61,13 +65,27 @@ def _max_diff(state: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]
 def test_fabric_trains_like_one_process(fabric_run, oracle) -> None:
     """Joint ``fabric.setup(model, optimizer)``, accumulation under ``no_backward_sync``, active clipping."""
     results, _ = fabric_run
-    reference, norms, _ = oracle
+    reference, norms, _, _ = oracle
     assert results["strategy"] == "RaggedFSDPFabricStrategy"  # the registered name
     assert min(norms) > MAX_NORM  # the clipping acts at every step
     assert results["norms"] == pytest.approx(norms, rel=FP32_TOL)
     # no reduction in the accumulating micro-batch, one per DBuffer in the last
     assert results["reduces"] == [0, results["dbuffers"]] * STEPS
     assert _max_diff(results["uninterrupted"], reference) < FP32_TOL
+
+
+def test_fabric_ema_of_the_shards_saves_resumes_and_swaps(fabric_run, oracle) -> None:
+    """``lr.ShardAveragedModel`` (where ``AveragedModel(model)`` cannot deep-copy a sharded module): the EMA of
+    torch's ``AveragedModel`` in one process; saved beside the model, resumed bit for bit, into HSDP (another
+    layout) and through one full file; ``swap`` there and back leaves the trained weights."""
+    results, _ = fabric_run
+    _, _, _, average = oracle
+    assert _max_diff(results["ema_uninterrupted"], average) < FP32_TOL
+    assert _max_diff(results["ema_uninterrupted"], results["uninterrupted"]) > 100 * FP32_TOL  # it averages
+    assert _max_diff(results["ema_resumed"], results["ema_uninterrupted"]) == 0.0
+    assert _max_diff(results["after_swaps"], results["uninterrupted"]) == 0.0
+    assert _max_diff(results["ema_replica"], average) < FP32_TOL
+    assert _max_diff(results["ema_reloaded"], results["ema_replica"]) == 0.0
 
 
 def test_fabric_checkpoint_resumes_bit_identically(fabric_run) -> None:
@@ -80,7 +98,7 @@ def test_fabric_checkpoint_resumes_bit_identically(fabric_run) -> None:
 def test_fabric_checkpoint_reshards_into_hsdp_and_one_full_file(fabric_run, oracle) -> None:
     """The world-2 shards load into 2 replicas of 1 shard (another layout), train on, save one full file."""
     results, out = fabric_run
-    reference, _, _ = oracle
+    reference, _, _, _ = oracle
     assert _max_diff(results["replica"], reference) < FP32_TOL
     full = torch.load(out / "full.ckpt", weights_only=True)
     assert full["step"] == STEPS and len(full["optimizer_states"]) == 1
@@ -107,7 +125,7 @@ def test_fabric_bf16_mixed_matches_fsdp2_with_the_same_policy(fabric_run, oracle
     ``MixedPrecisionPolicy(bf16, fp32)``: both differ from fp32 training by bf16 rounding (the oracle's
     distance), and from each other at most by a tenth of it (reduction order is fp32 rounding)."""
     results, _ = fabric_run
-    _, _, midway = oracle
+    _, _, midway, _ = oracle
     assert results["bf16_dtypes"] == ["torch.float32/torch.bfloat16/torch.float32"]
     bf16_distance = _max_diff(results["bf16_fsdp2"], midway)
     assert bf16_distance > FP32_TOL  # bf16 did round the training

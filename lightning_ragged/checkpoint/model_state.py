@@ -121,9 +121,16 @@ def load_model_state_copy(module: nn.Module, info: CheckpointInfo, key: str, str
             result[name] = state_shard(copy, shard.ragged_shard)
         else:
             template[name] = result[name] = value.clone() if isinstance(value, torch.Tensor) else value
-    with info.reading():
-        dcp.load({key: template}, storage_reader=info.reader(), planner=info.planner())
+    template = load_in_place(info, key, template)
     for name, value in template.items():  # non-tensor extra state comes back as new objects
         if not isinstance(value, torch.Tensor):
             result[name] = value
     return result
+
+
+def load_in_place(info: CheckpointInfo, key: str, template: dict[str, Any]) -> dict[str, Any]:
+    """DCP-load the checkpoint's entry ``key`` into ``template``'s tensors in place (DTensors of any layout
+    reshard); returns the template with its non-tensor entries replaced by the loaded objects."""
+    with info.reading():
+        dcp.load({key: template}, storage_reader=info.reader(), planner=info.planner())
+    return template

@@ -42,8 +42,10 @@ from lightning_ragged.checkpoint.ranks import barrier, is_rank_zero, world_size
 from lightning_ragged.checkpoint.reader import CheckpointInfo
 
 
-def _split_checkpoint(checkpoint: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(what DCP writes: "model", "optimizer_i", other model states; what goes to meta.pt: everything else)."""
+def _split_checkpoint(
+    checkpoint: Mapping[str, Any], model_states: Iterable[str] = MODEL_STATE_KEYS
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(what DCP writes: "model", "optimizer_i", the ``model_states`` keys; what goes to meta.pt: everything else)."""
     tensors: dict[str, Any] = {}
     meta: dict[str, Any] = {}
     for key, value in checkpoint.items():
@@ -54,7 +56,7 @@ def _split_checkpoint(checkpoint: Mapping[str, Any]) -> tuple[dict[str, Any], di
                 tensors[f"optimizer_{index}"] = state
         elif key.startswith("optimizer_") and key[len("optimizer_") :].isdigit():
             tensors[key] = value
-        elif key in MODEL_STATE_KEYS:
+        elif key in model_states:
             tensors[key] = value
         else:
             meta[key] = value
@@ -186,6 +188,7 @@ class CheckpointWriter:
         async_save: bool = False,
         full: bool = False,
         extra_meta: Mapping[str, Any] | None = None,
+        model_states: Iterable[str] = MODEL_STATE_KEYS,
     ) -> None:
         """Write ``checkpoint`` (Lightning layout or {"model", "optimizer_i", ...}) to the directory ``path``.
 
@@ -204,7 +207,8 @@ class CheckpointWriter:
         self.wait()
         path = Path(path)
         tmp = atomic_dir.partial_path(path)
-        tensors, meta = _split_checkpoint(checkpoint)
+        model_states = tuple(model_states)  # other states of sharded tensors (another model's, an average's)
+        tensors, meta = _split_checkpoint(checkpoint, model_states)
         self._saves += 1
         sequence, saved_step = self._saves, meta.get("global_step", meta.get("step"))
 
@@ -217,7 +221,7 @@ class CheckpointWriter:
             "world_size": world_size(),
             "optimizers": sum(1 for key in tensors if key.startswith("optimizer_")),
             "has_model": MODEL_KEY in tensors,
-            MODEL_STATES_KEY: [key for key in MODEL_STATE_KEYS if key in tensors],
+            MODEL_STATES_KEY: [key for key in model_states if key in tensors],
             "compressed": compress,
             "checksums": checksums.MANIFEST_FILENAME,  # a directory without it is then known to be damaged
             **(extra_meta or {}),

@@ -111,8 +111,8 @@ class RaggedFSDPState:
             "copy.deepcopy of a module sharded by lightning_ragged.fully_shard is not supported (as with torch's "
             "FSDP2): its full parameters are views into flat buffers that are freed between uses. Deep-copy the "
             "model before sharding it, or build a second model and load lr.full_state_dict(model) into it "
-            "(a teacher copy; for an EMA, Lightning's EMAWeightAveraging under the ragged_fsdp strategy averages "
-            "the shards)"
+            "(a teacher copy); for an EMA, lr.ShardAveragedModel(model) averages the shards (as Lightning's "
+            "EMAWeightAveraging does under the ragged_fsdp strategy)"
         )
 
     def dbuffers(self) -> Iterator[DBuffer]:

@@ -86,7 +86,10 @@ class LightningCheckpointIO:
     def optimizer_state(self, module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         return sharded_optimizer_state_dict(module, optimizer)
 
-    def save(self, checkpoint: dict[str, Any], path: str | os.PathLike, storage_options: Any = None) -> None:
+    def save(
+        self, checkpoint: dict[str, Any], path: str | os.PathLike, storage_options: Any = None,
+        model_states: Sequence[str] = MODEL_STATE_KEYS,
+    ) -> None:
         if storage_options is not None:
             raise TypeError(
                 "RaggedFSDPStrategy.save_checkpoint(..., storage_options=...) is not supported: checkpoints are "
@@ -98,6 +101,7 @@ class LightningCheckpointIO:
             compress=self.compress,
             async_save=self.async_save,
             full=self.state_dict_type == "full",
+            model_states=model_states,
         )
 
     def load(

@@ -20,10 +20,11 @@ from lightning.fabric.utilities.types import _Stateful
 from torch import nn
 from torch.optim import Optimizer
 
-from lightning_ragged.checkpoint.format import FORMAT_KEY, MODEL_KEY
+from lightning_ragged.checkpoint.format import FORMAT_KEY, MODEL_KEY, MODEL_STATES_KEY
 from lightning_ragged.checkpoint.model_state import (
     expected_model_shapes,
     load_full_model_state_dict,
+    load_in_place,
     load_sharded_model_state_dict,
 )
 from lightning_ragged.checkpoint.optimizer_state import (
@@ -33,6 +34,7 @@ from lightning_ragged.checkpoint.optimizer_state import (
 from lightning_ragged.checkpoint.reader import check_model_matches, inspect_checkpoint
 from lightning_ragged.checkpoint.single_file import read_file, rest_of_file
 from lightning_ragged.lightning.checkpoint_io import LightningCheckpointIO
+from lightning_ragged.lightning.weight_averaging import ShardAveragedModel
 
 STATE_KEYS = "fabric_state"
 """meta.pt's record of the user's keys: ``{"module": key, "optimizers": [key, ...]}`` (optimizer ``i`` is the i-th)."""
@@ -59,8 +61,11 @@ def save(io: LightningCheckpointIO, path: Union[str, os.PathLike], state: State,
             "RaggedFSDPFabricStrategy (its entries are per-parameter shards); filter the module or plain dicts only"
         )
     checkpoint: dict[str, Any] = {}
+    averages = _averages(state)
+    for key in averages:
+        checkpoint[key] = state[key].state_dict()  # DTensors of this rank's shards: written by DCP, under its key
     for key, value in state.items():
-        if key == module_key or key in optimizer_keys:
+        if key == module_key or key in optimizer_keys or key in averages:
             continue
         if _RESERVED.fullmatch(key):
             raise ValueError(
@@ -73,7 +78,7 @@ def save(io: LightningCheckpointIO, path: Union[str, os.PathLike], state: State,
     for index, key in enumerate(optimizer_keys):
         checkpoint[f"optimizer_{index}"] = io.optimizer_state(module, state[key])
     checkpoint[STATE_KEYS] = {"module": module_key, "optimizers": optimizer_keys}
-    io.save(checkpoint, path)
+    io.save(checkpoint, path, model_states=averages)
 
 
 def load(
@@ -114,6 +119,7 @@ def load(
         state = {MODEL_KEY: state}
     module_key, module = _sharded_module(state, "load")
     optimizer_keys = [key for key, value in state.items() if isinstance(value, Optimizer)]
+    averages = _averages(state)
     if path.is_file():
         checkpoint = read_file(path, weights_only, **trust)
         rest = rest_of_file(checkpoint)
@@ -122,6 +128,8 @@ def load(
         info = inspect_checkpoint(path, weights_only=weights_only, **trust)
         rest = info.rest()
         saved_optimizers = info.optimizer_count
+        for key in set(averages) & set(info.format.get(MODEL_STATES_KEY, [])):  # in place, from any layout
+            rest[key] = load_in_place(info, key, state[key].state_dict())
     record = rest.pop(STATE_KEYS, None) or {"module": module_key, "optimizers": optimizer_keys[:saved_optimizers]}
     _validate_keys_for_strict_loading(state, {record["module"], *record["optimizers"], *rest}, strict)
     indices = {record["optimizers"].index(key): state[key] for key in optimizer_keys if key in record["optimizers"]}
@@ -140,16 +148,24 @@ def load(
     for key, value in state.items():
         if key == module_key or key in optimizer_keys or key not in rest:
             continue
-        if isinstance(value, _Stateful):
+        if key in averages and not path.is_file():
+            rest.pop(key)  # loaded in place above
+        elif isinstance(value, _Stateful):
             value.load_state_dict(rest.pop(key))
         else:
             state[key] = rest.pop(key)
     return rest
 
 
+def _averages(state: State) -> list[str]:
+    """The keys of ``state`` holding a ``ShardAveragedModel`` (an EMA of the module's shards)."""
+    return [key for key, value in state.items() if isinstance(value, ShardAveragedModel)]
+
+
 def _sharded_module(state: State, verb: str) -> tuple[str, nn.Module]:
-    """The one module of ``state`` sharded by ``fully_shard`` (Fabric's FSDP rule: exactly one)."""
-    modules = [(key, value) for key, value in state.items() if isinstance(value, nn.Module)]
+    """The one module of ``state`` sharded by ``fully_shard`` (Fabric's FSDP rule: exactly one; averages aside)."""
+    modules = [(key, value) for key, value in state.items()
+               if isinstance(value, nn.Module) and not isinstance(value, ShardAveragedModel)]
     sharded = [(key, value) for key, value in modules if getattr(value, "_ragged_fsdp_state", None) is not None]
     if len(sharded) != 1 or len(modules) != 1:
         found = ", ".join(f"{key!r} ({'sharded' if (key, value) in sharded else 'not sharded'})"

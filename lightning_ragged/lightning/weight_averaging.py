@@ -96,7 +96,19 @@ class ShardCopies(nn.Module):
 
 
 class ShardAveragedModel(AveragedModel):
-    """``AveragedModel`` of a sharded module's :class:`ShardCopies`; averaging checks the module is at rest."""
+    """``AveragedModel`` of a sharded module's :class:`ShardCopies`; averaging checks the module is at rest.
+
+    Also for plain ``fully_shard`` and Fabric users (``lightning_ragged.ShardAveragedModel``), where
+    ``AveragedModel(model)`` fails (a sharded module refuses ``deepcopy``)::
+
+        ema = ShardAveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.999))
+        ...  # after each optimizer.step():
+        ema.update_parameters(model)
+        ema.swap(model)  # evaluate on the average; swap(model) again to go back
+
+    ``fabric.save(path, {"model": model, "optimizer": opt, "ema": ema})`` writes it sharded beside
+    the model and ``fabric.load`` restores it in place, from any layout.
+    """
 
     def __init__(self, module: nn.Module, device: Any = None, **kwargs: Any) -> None:
         super().__init__(nn.Module(), device=device, **kwargs)  # not a deepcopy: the shards' RaggedShards stay shared
@@ -105,13 +117,28 @@ class ShardAveragedModel(AveragedModel):
         self._shards = list(module.parameters())
 
     def update_parameters(self, model: nn.Module) -> None:
+        self._check_at_rest(model)
+        super().update_parameters(model)
+
+    def _check_at_rest(self, model: nn.Module) -> None:
         if any(a is not b for a, b in zip(model.parameters(), self._shards)):
             raise RuntimeError(
-                "WeightAveraging under RaggedFSDPStrategy averages the module's shards, but its parameters are not "
-                "the shards now (full parameters kept between steps, e.g. set_reshard_after_backward(False), or the "
+                "ShardAveragedModel (WeightAveraging under RaggedFSDPStrategy) averages the module's shards, but its "
+                "parameters are not the shards now (full parameters kept between steps, e.g. set_reshard_after_backward(False), or the "
                 "module was re-sharded): keep the default resharding while averaging weights"
             )
-        super().update_parameters(model)
+
+    def swap(self, model: nn.Module) -> None:
+        """Exchange the average with ``model``'s parameters (and buffers, with ``use_buffers``) in place, as
+        Lightning's callback does around validation; a second call swaps back."""
+        self._check_at_rest(model)
+        ours = [*self.module.parameters(), *(self.module.buffers() if self.use_buffers else ())]
+        theirs = [*model.parameters(), *(model.buffers() if self.use_buffers else ())]
+        with torch.no_grad():
+            for average, current in zip(ours, theirs, strict=True):
+                held = average.detach().clone()
+                average.copy_(current.detach())
+                current.detach().copy_(held)
 
 
 def _weight_averaging_callbacks(trainer: "pl.Trainer") -> list[Any]:

@@ -149,7 +149,7 @@ def main(out: Path) -> None:
         {f"{d.master_dtype}/{d.param_dtype}/{d.reduce_dtype}" for d in lr.get_state(ragged.module).dbuffers()}
     )
     results["bf16_ragged"] = lr.full_state_dict(ragged.module)
-    results["bf16_fsdp2"] = train_fsdp2_bf16(batches, mixed.global_rank, mixed.world_size)
+    results["bf16_fsdp2"], _ = train_fsdp2(batches, mixed.global_rank, mixed.world_size, torch.bfloat16, SAVE_AT)
 
     # 16-mixed: fp16 compute with a ShardedGradScaler in place of the plugin's GradScaler, clipped after unscaling,
     # beside FSDP2 with the same policy and scaler (on CPU Fabric turns precision="16-mixed" into bf16: a plugin)
@@ -164,7 +164,10 @@ def main(out: Path) -> None:
     results["fp16_init_scale"] = FP16_SCALER["init_scale"]
     results["fp16_scales"] = train_fp16(half, fp16, fp16_optimizer, batches)
     results["fp16_ragged"] = lr.full_state_dict(fp16.module)
-    results["fp16_fsdp2"], results["fp16_scales_fsdp2"] = train_fsdp2_fp16(batches, half.global_rank, half.world_size)
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    results["fp16_fsdp2"], results["fp16_scales_fsdp2"] = train_fsdp2(
+        batches, half.global_rank, half.world_size, torch.float16, STEPS, ShardedGradScaler("cpu", **FP16_SCALER))
 
     # an asynchronous save as the script's last act: Fabric has no teardown, the process just ends. The
     # interpreter joins the save's thread first, then runs atexit: there the process leaves without the
@@ -197,57 +200,37 @@ def train_fp16(fabric: L.Fabric, model, optimizer, batches: torch.Tensor) -> lis
     return scales
 
 
-def train_fsdp2_fp16(batches: torch.Tensor, rank: int, world: int) -> tuple[dict[str, torch.Tensor], list[float]]:
-    """The same steps with torch's FSDP2, autocast and its ShardedGradScaler, as its users write them."""
+def train_fsdp2(batches: torch.Tensor, rank: int, world: int, dtype: torch.dtype, steps: int,
+                scaler=None) -> tuple[dict[str, torch.Tensor], list[float]]:
+    """``steps`` steps with torch's FSDP2 (each block, then the root), autocast in ``dtype`` and (fp16) its
+    ``ShardedGradScaler``, as its users write them; (the full state, the loss scale after each step)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
     from torch.distributed.tensor import DTensor
 
     model = make_model(seed=0)
-    policy = MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float32)
+    policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
     for block in model.blocks:
         fully_shard(block, mp_policy=policy)
     fully_shard(model, mp_policy=policy)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
-    scaler, scales = ShardedGradScaler("cpu", **FP16_SCALER), []
-    per_rank = BATCH // world
-    for step in range(STEPS):
+    per_rank, scales = BATCH // world, []
+    for step in range(steps):
         for micro in range(MICRO):
             model.set_requires_gradient_sync(micro == MICRO - 1)
-            with torch.autocast("cpu", dtype=torch.float16):
+            with torch.autocast("cpu", dtype=dtype):
                 loss = lm_loss(model, batches[step, micro, rank * per_rank : (rank + 1) * per_rank]) / MICRO
-            scaler.scale(loss).backward()
-        scaler.unscale_(optimizer)
+            (loss if scaler is None else scaler.scale(loss)).backward()
+        if scaler is not None:
+            scaler.unscale_(optimizer)
         torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
-        scaler.step(optimizer)
-        scaler.update()
+        if scaler is None:
+            optimizer.step()
+        else:
+            scaler.step(optimizer)
+            scaler.update()
+            scales.append(scaler.get_scale())
         optimizer.zero_grad()
-        scales.append(scaler.get_scale())
     return {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in model.state_dict().items()}, scales
-
-
-def train_fsdp2_bf16(batches: torch.Tensor, rank: int, world: int) -> dict[str, torch.Tensor]:
-    """The same SAVE_AT steps with torch's FSDP2 (each block, then the root) and autocast, as its users write it."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    from torch.distributed.tensor import DTensor
-
-    model = make_model(seed=0)
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for block in model.blocks:
-        fully_shard(block, mp_policy=policy)
-    fully_shard(model, mp_policy=policy)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
-    per_rank = BATCH // world
-    for step in range(SAVE_AT):
-        for micro in range(MICRO):
-            model.set_requires_gradient_sync(micro == MICRO - 1)
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                loss = lm_loss(model, batches[step, micro, rank * per_rank : (rank + 1) * per_rank]) / MICRO
-            loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
-        optimizer.step()
-        optimizer.zero_grad()
-    return {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in model.state_dict().items()}
 
 
 if __name__ == "__main__":

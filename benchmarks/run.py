@@ -42,6 +42,7 @@ PARTS = [
     ("observability", "benchmarks/observability_bench.py", "metrics overhead on step time"),
     ("memory-floor", "benchmarks/memory_floor_bench.py", "peak live bytes, embedding in a group of its own"),
     ("step-floor", "benchmarks/step_floor_bench.py", "fp32 step time over no communication, and bytes sent"),
+    ("ema", "benchmarks/ema_bench.py", "an EMA of the weights: the shard average vs AveragedModel under DDP"),
     ("fp8", "benchmarks/fp8_bench.py", "fp8 vs bf16 all-gather: bytes per step, loss gap after 200 steps, step time"),
     ("gpu", "benchmarks/gpu.py", "the engine comparison on CUDA/NCCL (skipped without a GPU)"),
 ]

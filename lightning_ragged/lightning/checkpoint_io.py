@@ -133,7 +133,8 @@ class LightningCheckpointIO:
             check_model_matches(info, expected_model_shapes(module), strict=strict)
             load_sharded_model_state_dict(module, info, strict=strict)
             rest = info.rest()
-            model_states = info.format.get(MODEL_STATES_KEY, []) if fitting else []
+            saved_states = info.format.get(MODEL_STATES_KEY, [])  # a Fabric save may hold an EMA's too: not ours
+            model_states = [key for key in MODEL_STATE_KEYS if key in saved_states] if fitting else []
             for key in model_states:
                 rest[key] = load_model_state_copy(module, info, key, strict=strict)
             optimizer_count = info.optimizer_count

@@ -79,7 +79,9 @@ from report import write_section  # noqa: E402
 VARIANTS = ("ragged", "fsdp2", "ddp")
 PARITY_STEPS = 5
 PARITY_TOLERANCE = 1e-5
-PARITY_CASES = ("ragged/fp32/reduce_scatter", "ragged/fp32/all_reduce", "ragged/bf16/reduce_scatter", "fsdp2/bf16/-")
+PARITY_CASES = ("ragged/fp32/reduce_scatter", "ragged/fp32/all_reduce", "ragged/bf16/reduce_scatter", "fsdp2/bf16/-",
+                "ragged/fp16/reduce_scatter", "fsdp2/fp16/-")
+"""fp16: fp16 gathers and compute with torch's ShardedGradScaler (what ``precision="16-mixed"`` runs)."""
 SANITIZED_CASES = ("ragged/bf16+keep/reduce_scatter", "ragged/fp32+fp8/reduce_scatter")
 SANITIZED_STEPS = 3  # the sanitizer records a stack at each kernel: short, to stay inside the phase limit
 FP8_TOLERANCE = 1e-5  # as fp32 parity: the oracle quantizes the same masters, rounding order aside
@@ -210,9 +212,12 @@ def _parity_case(
     from torch.distributed.fsdp import MixedPrecisionPolicy
     from torch.distributed.fsdp import fully_shard as fsdp2_shard
 
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
     variant, precision, mode = case.split("/")
-    bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    policy = bf16 if precision.startswith("bf16") else None
+    half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision.split("+")[0])
+    policy = MixedPrecisionPolicy(param_dtype=half, reduce_dtype=torch.float32) if half is not None else None
+    scaler = ShardedGradScaler(device.type) if precision == "fp16" else None
     knobs = {"bf16+keep": dict(keep_cast_shard=True), "fp32+fp8": dict(fp8_all_gather=lr.Float8AllGather(tile=tile))}
     reference, model = make_gpt(cfg).to(device), make_gpt(cfg).to(device)
     if variant == "ragged":
@@ -233,7 +238,8 @@ def _parity_case(
     per_rank = data.shape[1] // world
     for step in range(data.shape[0]):
         local = data[step, rank * per_rank : (rank + 1) * per_rank]
-        lm_loss(model, local).backward()
+        loss = lm_loss(model, local)
+        (loss if scaler is None else scaler.scale(loss)).backward()
         if sharded_reference:
             lm_loss(reference, local).backward()
         else:
@@ -241,8 +247,14 @@ def _parity_case(
                 # the global batch's mean loss as the ranks' equal shares (same value, closer rounding order)
                 sum(lm_loss(reference, share) for share in data[step].chunk(world)).div(world).backward()
         for optimizer in optimizers:
-            optimizer.step()
+            if scaler is not None and optimizer is optimizers[0]:
+                scaler.step(optimizer)
+                scaler.update()
+            else:
+                optimizer.step()
             optimizer.zero_grad(set_to_none=True)
+    if scaler is not None:
+        outcome["final_scale"] = scaler.get_scale()
     if variant == "ragged":
         full = lr.full_state_dict(model)
     else:
@@ -530,7 +542,7 @@ def _ratio(a: float, b: float) -> str:
 
 def _verdict(case: str, outcome: dict, cases: dict) -> str:
     """fp32: against the tolerance; keep_cast_shard: bitwise; fp8: gathered bitwise and trained within its tolerance;
-    ragged bf16: its distance as a multiple of FSDP2's on the same run."""
+    ragged bf16 / fp16: its distance as a multiple of FSDP2's on the same run."""
     if "/fp32/" in case:
         return "pass" if outcome["max_diff"] <= PARITY_TOLERANCE else "FAIL"
     if "/bf16+keep/" in case:
@@ -538,16 +550,18 @@ def _verdict(case: str, outcome: dict, cases: dict) -> str:
     if "/fp32+fp8/" in case:
         passed = outcome["gathered_exact"] and outcome["max_diff"] <= FP8_TOLERANCE
         return ("pass" if passed else "FAIL") + f" (gathered bitwise: {outcome['gathered_exact']})"
-    fsdp2 = cases.get("fsdp2/bf16/-", {}).get("max_diff")
+    dtype = case.split("/")[1]
+    fsdp2 = cases.get(f"fsdp2/{dtype}/-", {}).get("max_diff")
     if case.startswith("ragged/") and fsdp2:
         return f"{outcome['max_diff'] / fsdp2:.2f} x FSDP2's distance"
-    return "FSDP2's own bf16 distance"
+    return f"FSDP2's own {dtype} distance"
 
 
 def _parity_lines(parity: list[dict]) -> list[str]:
     lines = [
         f"### (a) Parity: {PARITY_STEPS} AdamW steps vs one process on the global batch "
-        f"(benchmark GPT; fp32 without TF32 passes at <= {PARITY_TOLERANCE:g}; bf16 against the fp32 reference); "
+        f"(benchmark GPT; fp32 without TF32 passes at <= {PARITY_TOLERANCE:g}; bf16 and fp16 (ShardedGradScaler) "
+        f"against the fp32 reference); "
         f"(a') {SANITIZED_STEPS} steps: bf16+keep against keep_cast_shard off, fp32+fp8 against fake-quantized weights",
         "",
         "| world | backend | why | case | max abs difference | |",

@@ -13,11 +13,9 @@ alternating the two every round. Writes the "ema" section of ``benchmarks/RESULT
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -26,13 +24,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn  # noqa: E402
 
 import memory_bench  # noqa: E402
 from models import make_batches  # noqa: E402
 from report import write_section  # noqa: E402
+from spawn import run_ranks  # noqa: E402
 
 WORLDS = (2, 4)
 DECAY = 0.999
@@ -71,23 +68,9 @@ def run_rank(rank: int, world: int, opts: dict[str, Any]) -> dict[str, Any]:
     return {"bytes": {name: average_bytes(averages[name]) for name in NAMES}, "times": times, "params": params}
 
 
-def worker(rank: int, world: int, init_file: str, opts: dict[str, Any], out_path: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    result = run_rank(rank, world, opts)
-    gathered: list[Any] = [None] * world
-    dist.all_gather_object(gathered, result)
-    if rank == 0:
-        Path(out_path).write_text(json.dumps(gathered))
-    dist.destroy_process_group()
-    os._exit(0)  # the result is written; skip interpreter teardown, where gloo's threads can abort (pytorch#190489)
-
-
 def measure(world: int, opts: dict[str, Any]) -> dict[str, Any]:
-    with memory_bench.load_sampler() as load, tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "result.json")
-        mp.spawn(worker, args=(world, os.path.join(tmp, "pg"), opts, out), nprocs=world, join=True)
-        gathered = json.loads(Path(out).read_text())
+    with memory_bench.load_sampler() as load:
+        gathered = run_ranks(run_rank, world, opts)
     return {"world": world, "ranks": gathered, "load": list(load)}
 
 

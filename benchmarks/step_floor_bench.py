@@ -19,11 +19,8 @@ the "step-floor" section of ``benchmarks/RESULTS.md``.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -34,12 +31,12 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 import memory_bench  # noqa: E402
 from models import count_params, make_batches  # noqa: E402
 from report import write_section  # noqa: E402
+from spawn import run_ranks  # noqa: E402
 
 VARIANTS = {
     "plain": "no communication (each rank alone, AdamW over all parameters)",
@@ -130,24 +127,10 @@ def run_rank(rank: int, world: int, opts: dict[str, Any]) -> dict[str, Any]:
     return {"times": times, "sent": sent}
 
 
-def worker(rank: int, world: int, init_file: str, opts: dict[str, Any], out_path: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    result = run_rank(rank, world, opts)
-    gathered: list[Any] = [None] * world
-    dist.all_gather_object(gathered, result)
-    if rank == 0:
-        Path(out_path).write_text(json.dumps(gathered))
-    dist.destroy_process_group()
-    os._exit(0)  # the result is written; skip interpreter teardown, where gloo's threads can abort (pytorch#190489)
-
-
 def measure(world: int, opts: dict[str, Any]) -> dict[str, Any]:
-    with memory_bench.load_sampler() as load, tempfile.TemporaryDirectory() as tmp:
+    with memory_bench.load_sampler() as load:
         started = time.perf_counter()
-        out = os.path.join(tmp, "result.json")
-        mp.spawn(worker, args=(world, os.path.join(tmp, "pg"), opts, out), nprocs=world, join=True)
-        gathered = json.loads(Path(out).read_text())
+        gathered = run_ranks(run_rank, world, opts)
         wall = time.perf_counter() - started
     slowest = {name: [max(ts) for ts in zip(*(g["times"][name] for g in gathered))] for name in VARIANTS}
     return {"world": world, "slowest": slowest, "sent": gathered[0]["sent"], "load": list(load), "wall_s": wall}

@@ -30,8 +30,6 @@ from lightning.fabric.plugins.precision import DoublePrecision, HalfPrecision, M
 from lightning.fabric.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.fabric.strategies.parallel import ParallelStrategy
 from lightning.fabric.strategies.strategy import _BackwardSyncControl
-from lightning.fabric.utilities.distributed import _get_default_process_group_backend_for_device, _init_dist_connection
-from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import ReduceOp
 from torch import Tensor, nn
 from torch.optim import Optimizer
@@ -47,7 +45,6 @@ from lightning_ragged.lightning.knobs import check_strategy_knobs, unsupported_p
 from lightning_ragged.lightning.sharding import (
     ModuleSpec, hsdp_groups, mp_policy_for, replicate_degree_for, shard_module, sharded_scaler,
 )
-from lightning_ragged.observability.flight_recorder import configure_flight_recorder
 
 
 class RaggedFSDPFabricStrategy(RaggedParallel, ParallelStrategy):
@@ -155,16 +152,7 @@ class RaggedFSDPFabricStrategy(RaggedParallel, ParallelStrategy):
 
     def setup_environment(self) -> None:
         super().setup_environment()
-        reset_seed()
-        self.set_world_ranks()
-        self._process_group_backend = self._process_group_backend or _get_default_process_group_backend_for_device(
-            self.root_device
-        )
-        configure_flight_recorder(self._process_group_backend, Path.cwd() / "flight_recorder")
-        device_id = self.root_device if self.root_device.type != "cpu" else None
-        _init_dist_connection(
-            self.cluster_environment, self._process_group_backend, timeout=self._timeout, device_id=device_id
-        )
+        self._init_process_group(Path.cwd() / "flight_recorder")
         degree = replicate_degree_for(self._knobs["replicate_degree"], self.num_nodes, self.world_size)
         self._shard_group, self._replicate_group = hsdp_groups(degree, self._timeout)
 

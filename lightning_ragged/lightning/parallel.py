@@ -1,4 +1,5 @@
-"""What the Trainer's and Fabric's ragged strategies answer alike: devices, ranks, data-parallel sampling, collectives.
+"""What the Trainer's and Fabric's ragged strategies answer alike: devices, ranks, data-parallel sampling, collectives,
+and how they start the default process group.
 
 Lightning has two ``ParallelStrategy`` bases (``lightning.pytorch`` and ``lightning.fabric``);
 both strategies put this mixin first, as Lightning's own DDP strategies write these members twice.
@@ -6,15 +7,22 @@ both strategies put this mixin first, as Lightning's own DDP strategies write th
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Optional, Union
 
 import torch
 import torch.distributed as dist
-from lightning.fabric.utilities.distributed import _distributed_is_initialized, _sync_ddp_if_available
+from lightning.fabric.utilities.distributed import (
+    _distributed_is_initialized, _get_default_process_group_backend_for_device, _init_dist_connection,
+    _sync_ddp_if_available,
+)
 from lightning.fabric.utilities.distributed import group as _group
+from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import ReduceOp
 from lightning_utilities.core.rank_zero import rank_zero_only
 from torch import Tensor
+
+from lightning_ragged.observability.flight_recorder import configure_flight_recorder
 
 
 class RaggedParallel:
@@ -56,6 +64,21 @@ class RaggedParallel:
             environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)  # type: ignore
             environment.set_world_size(self.num_nodes * self.num_processes)
         rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
+
+    def _init_process_group(self, flight_recorder_dir: Path) -> None:
+        """``setup_environment``'s common part: seeds, ranks, the backend (by device unless given), NCCL's flight
+        recorder, then the default process group with the strategy's timeout."""
+        reset_seed()
+        self.set_world_ranks()
+        self._process_group_backend = self._process_group_backend or _get_default_process_group_backend_for_device(
+            self.root_device
+        )
+        configure_flight_recorder(self._process_group_backend, flight_recorder_dir)
+        device_id = self.root_device if self.root_device.type != "cpu" else None
+        _init_dist_connection(
+            self.cluster_environment, self._process_group_backend,  # type: ignore[attr-defined]
+            timeout=self._timeout, device_id=device_id,  # type: ignore[attr-defined]
+        )
 
     def barrier(self, *args: Any, **kwargs: Any) -> None:
         if not _distributed_is_initialized():

@@ -34,9 +34,7 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.utilities.distributed import _get_default_process_group_backend_for_device, _init_dist_connection
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
-from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
@@ -65,7 +63,6 @@ from lightning_ragged.lightning.weight_averaging import average_shards, defer_fu
 from lightning_ragged.lightning.run_checks import (
     apply_sync_batchnorm, check_reused_module, describe, refuse_unsupported_callbacks, remember_settings,
 )
-from lightning_ragged.observability.flight_recorder import configure_flight_recorder
 from lightning_ragged.observability.tuning import TUNING_FILE, read_recommendation
 
 
@@ -281,16 +278,8 @@ class RaggedFSDPStrategy(RaggedParallel, ParallelStrategy):
 
     def setup_environment(self) -> None:
         super().setup_environment()
-        reset_seed()
-        self.set_world_ranks()
-        self._process_group_backend = self._process_group_backend or _get_default_process_group_backend_for_device(
-            self.root_device
-        )
-        kwargs: dict[str, Any] = {"timeout": self._timeout}
-        kwargs["device_id"] = self.root_device if self.root_device.type != "cpu" else None
-        configure_flight_recorder(self._process_group_backend, self._flight_recorder_dir())
         defer_full_copies(self.lightning_module.trainer)  # before the callbacks' setup: see average_shards
-        _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
+        self._init_process_group(self._flight_recorder_dir())
         if self.dbuffer_size == "recommended" and self.applied_dbuffer_size is None:
             self._apply_recommendation()  # before replicate_degree="auto" plans with it
         self._build_process_groups()

@@ -379,8 +379,8 @@ def check_fsdp2_method_names() -> dict:
     model.reset_iter_state()
     with pytest.raises(RuntimeError, match="root module"):
         model.blocks[0].reset_iter_state()
-    with pytest.raises(NotImplementedError, match="set_custom_all_gather"):
-        model.set_custom_all_gather(None)
+    with pytest.raises(NotImplementedError, match=r"set_reduce_scatter_unused_params\(False\)"):
+        model.set_reduce_scatter_unused_params(False)
     model.set_unshard_in_backward(False)  # speed only: accepted
     left = [dbuffer.is_unsharded for dbuffer in lr.get_state(model).dbuffers()]
     return {"missing": missing, "left_unsharded": left}

@@ -17,7 +17,7 @@ from torch import nn
 
 from lightning_ragged.checkpoint.dcp import shard_as_dtensor
 from lightning_ragged.checkpoint.reader import CheckpointInfo, check_model_matches, check_shapes, inspect_checkpoint
-from lightning_ragged.engine.state_dict import sharded_params
+from lightning_ragged.engine.state_dict import load_full, sharded_params
 from lightning_ragged.engine.state_shard import StateShard
 from lightning_ragged.engine.torch_state_dict import local_part, state_shard
 
@@ -92,7 +92,7 @@ def load_full_model_state_dict(
                 with torch.no_grad():
                     shard.copy_(local)
         elif value is not None:
-            dbuffer.load_full({name: value})
+            load_full(dbuffer, {name: value})
     rest = {k: v for k, v in state_dict.items() if k not in sharded and k in expected}
     if rest or not sharded:
         module.load_state_dict(rest, strict=False)

@@ -10,10 +10,13 @@ returns a :class:`PendingCollective` that keeps its tensors alive until it is wa
 accelerator the DBuffer issues it on a comm stream (``streams.py``) and waiting for it makes the
 compute stream wait that stream's event. HSDP's replica all-reduce follows the shard reduction:
 at once when that one is synchronous (on a device: ordered on the reduce stream), else at its wait.
+FSDP2's custom communication (:class:`CustomComms`: ``set_custom_all_gather``, ``set_custom_reduce_scatter``,
+``set_all_reduce_hook``) replaces a DBuffer's call here with the user's.
 """
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -74,6 +77,32 @@ def resolve_reduce_mode(mode: str | None, group: dist.ProcessGroup | None, devic
     return mode
 
 
+@dataclass
+class CustomComms:
+    """A DBuffer's FSDP2 custom communication (``FSDPModule.set_custom_*``, ``set_all_reduce_hook``); None: ours.
+
+    torch's ``AllGather`` / ``ReduceScatter`` (``torch.distributed.fsdp``) allocate their own buffers
+    (``comm.allocate``: a memory pool, symmetric memory), which cannot be the storage the parameters and
+    gradients view: a custom all-gather's output is copied into the full buffer once it finished, a custom
+    reduce-scatter's input is a copy of the gradient buffer (FSDP2 makes both copies for every gather and
+    reduction). The hook sees this rank's reduced segment, divided, and may change it in place.
+    """
+
+    all_gather: Any = None
+    reduce_scatter: Any = None
+    all_reduce_hook: Callable[[torch.Tensor], None] | None = None
+    hook_stream: Any = None
+
+
+def check_comm(comm: Any, method: str) -> None:
+    """``comm`` is None or has ``allocate`` and ``__call__`` (torch's ``Comm`` interface), else a named error."""
+    if comm is not None and not (callable(comm) and callable(getattr(comm, "allocate", None))):
+        kind = "AllGather" if "gather" in method else "ReduceScatter"
+        raise TypeError(f"{method}({comm!r}): pass an object with allocate(size, *, dtype, device) and __call__, "
+                        f"e.g. a subclass of torch's {kind} (torch.distributed.fsdp._fully_shard._fsdp_api), "
+                        "or None for lightning_ragged's own")
+
+
 class PendingCollective:
     """An issued collective and the tensors that must stay alive until it finishes."""
 
@@ -107,19 +136,32 @@ def all_gather(
     group: dist.ProcessGroup | None,
     async_op: bool = False,
     started: float | None = None,
+    comm: Any = None,
 ) -> PendingCollective:
-    """Gather every member's ``source`` into ``target`` (rank order), in place.
+    """Gather every member's ``source`` into ``target`` (rank order), in place, or through a custom ``comm``
+    (into its own buffer, copied into ``target`` once finished: at the wait when asynchronous).
 
     ``started``: when the caller began (its allocation and cast count as time in flight).
     """
-    work = _all_gather_single(target, source, group=group, async_op=async_op)
-    return PendingCollective(work, time.perf_counter() if started is None else started, source)
+    started = time.perf_counter() if started is None else started
+    if comm is None:
+        return PendingCollective(_all_gather_single(target, source, group=group, async_op=async_op), started, source)
+    output = comm.allocate((target.numel(),), dtype=target.dtype, device=target.device)
+    work = comm(output_tensor=output, input_tensor=source, group=group, async_op=async_op)
+    pending = PendingCollective(work, started, source, output)
+    copy_out = functools.partial(target.copy_, output.view(target.shape))
+    if async_op and work is not None:
+        pending.then = copy_out
+    else:  # finished (on a device: ordered on this stream), the copy follows it
+        pending.wait()
+        copy_out()
+    return pending
 
 
 def reduce(
     full: torch.Tensor, mode: str, group: dist.ProcessGroup | None, segment: slice, async_op: bool, started: float,
     replicate_group: dist.ProcessGroup | None = None, stats: CommStats | None = None,
-    reduce_dtype: torch.dtype | None = None, held: torch.Tensor | None = None,
+    reduce_dtype: torch.dtype | None = None, held: torch.Tensor | None = None, comm: Any = None,
 ) -> PendingCollective:
     """Sum ``full`` over ``group`` in ``reduce_dtype`` (default: its own): in place (``all_reduce``) or into this
     rank's ``segment`` (``reduce_scatter``, into a tensor of its own; ``pairwise``, into ``full``'s segment).
@@ -131,10 +173,17 @@ def reduce(
     holds this rank's summed segment once it finished, summed over ``replicate_group`` too (HSDP): right
     after a synchronous reduction, else when it is waited for (``then``). ``held``: earlier sums of this segment
     over ``group`` only (HSDP accumulation without the replica all-reduce), added in before it. Counted in ``stats``.
+    A custom ``comm`` (FSDP2's ``ReduceScatter``) replaces ``mode``: it sums a copy of ``full`` in its buffers.
     """
     dtype = reduce_dtype or full.dtype
-    sent = full if mode == "pairwise" or full.dtype == dtype else full.to(dtype)
-    if mode == "all_reduce":
+    sent = full if comm is not None or mode == "pairwise" or full.dtype == dtype else full.to(dtype)
+    if comm is not None:
+        sent = comm.allocate((full.numel(),), dtype=dtype, device=full.device)
+        sent.copy_(full)
+        own_segment = comm.allocate((segment.stop - segment.start,), dtype=dtype, device=full.device)
+        work = comm(output_tensor=own_segment, input_tensor=sent, group=group, op=dist.ReduceOp.SUM,
+                    async_op=async_op)
+    elif mode == "all_reduce":
         work = dist.all_reduce(sent, group=group, async_op=async_op)
         own_segment = sent[segment]
     elif mode == "pairwise":
@@ -163,6 +212,26 @@ def reduce(
             stats.replica_all_reduces += 1
             stats.replica_all_reduce_bytes += own_segment.numel() * own_segment.element_size()
     return pending
+
+
+def run_all_reduce_hook(
+    custom: CustomComms, segment: torch.Tensor, scale: float, dtype: torch.dtype, streams: CommStreams,
+) -> torch.Tensor:
+    """FSDP2's ``set_all_reduce_hook``: ``hook(segment * scale)`` in ``dtype`` (the reduce dtype) once the
+    reduction (HSDP: and the replica all-reduce) finished; on the user's stream when one was given, ordered after
+    compute and before compute goes on. Returns the tensor the hook saw (and may have changed in place)."""
+    segment = segment.to(dtype)
+    if scale != 1.0:
+        segment.mul_(scale)
+    stream = custom.hook_stream
+    if stream is None:
+        custom.all_reduce_hook(segment)
+        return segment
+    stream.wait_stream(streams.compute)
+    with stream:
+        custom.all_reduce_hook(segment)
+    streams.compute.wait_stream(stream)
+    return segment
 
 
 def host_tensor(values: Sequence[float], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -16,19 +16,18 @@ Three flat tensors laid out by the planner:
   its reduce-scatter), summed in the reduce dtype; ``no_sync`` micro-batches accumulate in the reduce dtype.
 
 Storage is freed and re-allocated with ``untyped_storage().resize_`` so the views (and tensors autograd
-saved) stay valid. Group-level work runs once on the flat tensors, never per parameter.
-
-A DBuffer whose parameters are all frozen never allocates a gradient buffer and is never reduced (decided
-at every backward from the current flags). A parameter no rank used keeps ``grad is None`` (DDP).
+saved) stay valid. Group-level work runs once on the flat tensors, never per parameter. A DBuffer whose
+parameters are all frozen never allocates a gradient buffer and is never reduced (decided at every backward
+from the current flags). A parameter no rank used keeps ``grad is None`` (DDP).
 
 **A single rank** (``single_rank``: a shard group of one, no HSDP): no collective, no copy. Without a cast or
 fp8 the full buffer *is* the segment (``full_is_shard``): unshard/reshard only swap the module's views (no event).
 With a cast, the cast written into the full buffer is the "gather" (``keep_cast_shard`` keeps nothing). The
 gradient buffer, a tensor of its own each backward, is adopted as the sharded gradient (``sharded_grad.py``).
 
-The collective calls themselves are in ``collectives.py``, on the comm streams of ``streams.py`` (no-op on
-CPU); the all-gather's source is from ``shard_cast.py`` (``partial_reshard.py``'s kept part, ``fp8_gather.py``).
-Observers (``events.py``) in ``observers`` hear of every all-gather, reduction and buffer (de)allocation.
+The collective calls (and FSDP2's custom ones, ``custom``) are in ``collectives.py``, on the comm streams of
+``streams.py`` (no-op on CPU); the all-gather's source is from ``shard_cast.py`` (``partial_reshard.py``'s kept
+part, ``fp8_gather.py``). Observers (``events.py``) in ``observers`` hear of every collective and (de)allocation.
 """
 
 from __future__ import annotations
@@ -41,7 +40,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_ragged.engine import collectives, storage
-from lightning_ragged.engine.collectives import CommStats, PendingCollective, resolve_reduce_mode
+from lightning_ragged.engine.collectives import CommStats, CustomComms, PendingCollective, resolve_reduce_mode
 from lightning_ragged.engine.events import DBufferObserver, EventKind, notify, observed
 from lightning_ragged.engine.partial_reshard import PartialReshard
 from lightning_ragged.engine.shard_cast import ShardCast
@@ -86,6 +85,7 @@ class DBuffer:
         self.streams: CommStreams = NO_STREAMS
         """The comm streams its collectives run on (``streams.py``), the model's (``RaggedFSDPState``)."""
         self._fp8_gather: Fp8Gather | None = None
+        self.custom = CustomComms()  # FSDP2's set_custom_all_gather, set_custom_reduce_scatter, set_all_reduce_hook
         first = params[0][1]
         self.device = first.device if device is None else torch.device(device)
         if self.device.type == "meta":
@@ -223,7 +223,8 @@ class DBuffer:
                 source, group, self._partial = self._partial, self.partial_reshard.group, None
             else:  # a fresh cast is transient: the next one reuses its block on this stream
                 source, group = kept if kept is not None else self.shard_cast.of(self.sharded), self.process_group
-            pending = collectives.all_gather(self._gather_target, source, group, async_op, started)
+            pending = collectives.all_gather(
+                self._gather_target, source, group, async_op, started, self.custom.all_gather)
             sent = self.unsharded.numel() * self.unsharded.element_size()
         self._pending_unshard = pending
         self.stats.all_gathers += 1
@@ -361,6 +362,7 @@ class DBuffer:
         self._pending_reduce = collectives.reduce(
             full, self.reduce_mode, self.process_group, self.segment, async_op, started,
             None if self.holds else self.replicate_group, self.stats, self.reduce_dtype, self._held,
+            self.custom.reduce_scatter,
         )
 
     @property
@@ -384,6 +386,9 @@ class DBuffer:
             return
         self._held = None  # added in by the replica all-reduce
         scale = 1.0 / self.gradient_divide_factor
+        if self.custom.all_reduce_hook is not None:  # it sees the divided segment, in the reduce dtype (FSDP2's)
+            own_segment, scale = collectives.run_all_reduce_hook(
+                self.custom, own_segment, scale, self.reduce_dtype, self.streams), 1.0
         adopted = self._grad.write(self.sharded_params, own_segment, scale, adoptable=self.single_rank)
         self.free_unsharded_grad(adopted=adopted)
 
@@ -441,10 +446,3 @@ class DBuffer:
         """``name``'s original-shape view into a full flat buffer laid out as this DBuffer (any dtype or device)."""
         shape, begin = self._shapes[name], self.layout.offsets[name]
         return flat[begin : begin + shape.numel()].view(shape)
-
-    def load_full(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Copy this rank's pieces of full tensors (some or all of this buffer's) into the sharded segment."""
-        with torch.no_grad():
-            for name, tensor in tensors.items():
-                param = self.sharded_params[name]
-                param.copy_(param.ragged_shard.local_part(tensor))

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_ragged.engine.collectives import check_comm
 from lightning_ragged.engine.state_dict import full_state_dict
 
 _SUBCLASSES: dict[tuple[type, bool], type] = {}
@@ -82,6 +83,37 @@ class FSDPModule:
     def set_reduce_scatter_divide_factor(self, factor: float) -> None:
         """FSDP2's older name of :meth:`set_gradient_divide_factor`."""
         self.set_gradient_divide_factor(factor)
+
+    def set_custom_all_gather(self, comm: Any) -> None:
+        """FSDP2's: this module's own group all-gathers through ``comm`` (torch's ``AllGather``; None: ours again).
+        Its ``allocate`` makes the output, which is not the parameters' storage: copied into it once finished."""
+        check_comm(comm, "set_custom_all_gather")
+        for dbuffer in self._ragged_own_dbuffers():
+            if comm is not None and dbuffer.fp8_gather is not None:
+                raise ValueError("set_custom_all_gather: this module's parameters are gathered as fp8 "
+                                 "(fully_shard(..., fp8_all_gather=...)); exclude it with fp8_all_gather's module_filter")
+            dbuffer.custom.all_gather = comm
+
+    def set_custom_reduce_scatter(self, comm: Any) -> None:
+        """FSDP2's: this module's own group reduces through ``comm`` (torch's ``ReduceScatter``, called with
+        ``ReduceOp.SUM``; the division follows, as ``set_gradient_divide_factor`` says; None: ours again). It
+        replaces ``reduce_mode``; its ``allocate`` makes the input, a copy of the gradient buffer, and the output."""
+        check_comm(comm, "set_custom_reduce_scatter")
+        for dbuffer in self._ragged_own_dbuffers():
+            dbuffer.custom.reduce_scatter = comm
+
+    def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None] | None, *, stream: Any = None) -> None:
+        """FSDP2's: ``hook(reduced)`` for each of this module's own DBuffers once its reduction (HSDP: and the
+        replica all-reduce) finished, before its gradients are written: ``reduced`` is this rank's flat segment,
+        divided, in the reduce dtype; changes made in place are the gradients. ``stream``: a device stream to
+        run it on (ordered after the reduction and before the gradients' use)."""
+        if hook is not None and not callable(hook):
+            raise TypeError(f"set_all_reduce_hook({hook!r}): pass a function of the reduced tensor, or None")
+        for dbuffer in self._ragged_own_dbuffers():
+            dbuffer.custom.all_reduce_hook, dbuffer.custom.hook_stream = hook, stream
+
+    def _ragged_own_dbuffers(self) -> list:
+        return [dbuffer for group in self._ragged_own_groups() for dbuffer in group.dbuffers]
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
         """Keep the full parameters after backward (False), e.g. across accumulation micro-batches."""
@@ -163,11 +195,8 @@ def _true(flag: Any = True, *_args: Any, **_kwargs: Any) -> bool:
     return bool(flag)
 
 
-FSDP2_ONLY_METHODS: dict[str, tuple[Callable[..., bool] | None, str]] = {
+FSDP2_ONLY_METHODS: dict[str, tuple[Callable[..., bool], str]] = {
     "set_force_sum_reduction_for_comms": (_any, "the reduction's result is the average either way"),
-    "set_all_reduce_hook": (None, "HSDP's replica all-reduce is the engine's own"),
-    "set_custom_all_gather": (None, "the all-gather writes each DBuffer in place"),
-    "set_custom_reduce_scatter": (None, "the reduction is chosen by fully_shard(..., reduce_mode=...)"),
     "set_reduce_scatter_unused_params": (_true, "every trainable DBuffer is reduced whole, unused parameters as "
                                                 "zeros"),
     "set_reduce_scatter_max_input_buffers": (_any, "at most one reduction is in flight"),
@@ -176,19 +205,19 @@ FSDP2_ONLY_METHODS: dict[str, tuple[Callable[..., bool] | None, str]] = {
     "set_symm_mem_for_comm": (_any, "collectives use the process group's own buffers"),
     "set_allocate_memory_from_process_group_for_comm": (_any, "collectives use the process group's own buffers"),
 }
-"""FSDP2 module methods with no counterpart here: (which arguments are accepted as a no-op, None: none; what
-lightning_ragged does instead). Accepted values change only speed or are what the engine does anyway."""
+"""FSDP2 module methods with no counterpart here: (which arguments are accepted as a no-op; what lightning_ragged
+does instead). Accepted values change only speed or are what the engine does anyway; others are refused."""
 
 
-def _fsdp2_only(name: str, accepts: Callable[..., bool] | None, reason: str) -> Callable[..., None]:
+def _fsdp2_only(name: str, accepts: Callable[..., bool], reason: str) -> Callable[..., None]:
     def method(self: Any, *args: Any, **kwargs: Any) -> None:
-        if accepts is None or not accepts(*args, **kwargs):
+        if not accepts(*args, **kwargs):
             shown = ", ".join([*map(repr, args), *(f"{k}={v!r}" for k, v in kwargs.items())])
             raise NotImplementedError(f"{name}({shown}) of torch's FSDP2 is not implemented by lightning_ragged: "
                                       f"{reason}")
 
     method.__name__ = name
-    method.__doc__ = f"FSDP2's; {'a no-op where ' + reason if accepts else 'not implemented: ' + reason}."
+    method.__doc__ = f"FSDP2's; a no-op where {reason}."
     return method
 
 

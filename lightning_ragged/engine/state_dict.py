@@ -33,6 +33,14 @@ class ShardedParam(NamedTuple):
         return self.dbuffer.sharded_params[self.name]
 
 
+def load_full(dbuffer: DBuffer, tensors: dict[str, torch.Tensor]) -> None:
+    """Copy this rank's pieces of full tensors (some or all of ``dbuffer``'s) into its sharded segment."""
+    with torch.no_grad():
+        for name, tensor in tensors.items():
+            param = dbuffer.sharded_params[name]
+            param.copy_(param.ragged_shard.local_part(tensor))
+
+
 def sharded_params(module: nn.Module) -> dict[str, ShardedParam]:
     """State-dict key (relative to ``module``) -> its shard, tied keys included; ``{}`` for a plain module.
 
@@ -144,12 +152,12 @@ def load_full_state_dict(
         per_dbuffer.setdefault(id(dbuffer), (dbuffer, {}))[1][name] = key
     if not broadcast_from_rank0:
         for dbuffer, tensor_keys in per_dbuffer.values():
-            dbuffer.load_full({name: state_dict[key] for name, key in tensor_keys.items()})
+            load_full(dbuffer, {name: state_dict[key] for name, key in tensor_keys.items()})
         return
     _agree_on_missing_keys(state_dict, [key for _, tensor_keys in per_dbuffer.values() for key in tensor_keys.values()])
     for dbuffer in get_state(module).dbuffers():
         if id(dbuffer) in per_dbuffer:
-            dbuffer.load_full(_broadcast_flat(dbuffer, state_dict, per_dbuffer[id(dbuffer)][1]))
+            load_full(dbuffer, _broadcast_flat(dbuffer, state_dict, per_dbuffer[id(dbuffer)][1]))
 
 
 def _broadcast_flat(dbuffer: DBuffer, state_dict: dict[str, torch.Tensor], tensor_keys: dict[str, str]) -> dict[str, torch.Tensor]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import lightning.pytorch as L
 import torch
+from lightning.pytorch.utilities import grad_norm
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -144,6 +145,20 @@ class LitManualGPT(LitTinyGPT):
         opt_b = torch.optim.SGD(self.model.blocks[1].parameters(), lr=0.1, momentum=0.9)
         schedulers = [torch.optim.lr_scheduler.StepLR(opt_a, 2, 0.5), torch.optim.lr_scheduler.StepLR(opt_b, 3, 0.5)]
         return [opt_a, opt_b], schedulers
+
+
+class LitGradNorm(LitTinyGPT):
+    """Logs Lightning's ``grad_norm`` (2-norm and inf-norm) before every optimizer step, imported by name at the top
+    of the file as Lightning's docs write it; records them in ``self.grad_norms``."""
+
+    def __init__(self, lr: float = 0.5, layers: int = 2) -> None:
+        super().__init__(lr, layers)
+        self.grad_norms: list[dict[str, float]] = []
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        norms = {**grad_norm(self, norm_type=2), **grad_norm(self, norm_type="inf")}
+        self.log_dict(norms)
+        self.grad_norms.append({key: float(value) for key, value in norms.items()})
 
 
 class LitRegression(L.LightningModule):

@@ -34,7 +34,7 @@ import lightning_ragged  # noqa: E402,F401  (registers "ragged_fsdp")
 from lightning_ragged import RaggedFSDPStrategy, get_state  # noqa: E402
 from tests.comparisons import full_params, loss_diff, max_diff, worst  # noqa: E402
 from tests.lightning_models import (  # noqa: E402
-    LitManualGPT, LitRegression, LitTinyGPT, cpu_trainer, regression_loader, token_loader,
+    LitGradNorm, LitManualGPT, LitRegression, LitTinyGPT, cpu_trainer, regression_loader, token_loader,
 )
 
 warnings.filterwarnings("ignore")
@@ -162,6 +162,14 @@ def main_mode(results: dict) -> None:
     _, clipped = parity(results, "clip_norm", "ragged_fsdp", gradient_clip_val=0.05)
     results["clip_changes_params"] = worst(max_diff(full_params(clipped), full_params(ragged)))
     parity(results, "clip_value", "ragged_fsdp", gradient_clip_val=0.002, gradient_clip_algorithm="value")
+
+    # Lightning's grad_norm utility, logged every step: each parameter's whole gradient's norm, as under DDP.
+    _, ddp_norms = fit("ddp", steps=3, module=LitGradNorm)
+    _, ragged_norms = fit("ragged_fsdp", steps=3, module=LitGradNorm)
+    results["grad_norm_keys"] = [sorted(a) == sorted(b) for a, b in zip(ddp_norms.grad_norms, ragged_norms.grad_norms)]
+    results["grad_norm_steps"] = len(ragged_norms.grad_norms)
+    results["grad_norm_rel_diff"] = worst(max(abs(a[k] - b[k]) / max(abs(a[k]), 1e-12) for a, b in zip(
+        ddp_norms.grad_norms, ragged_norms.grad_norms) for k in a))
 
     # Manual optimization: two optimizers behind toggle_optimizer, manual_backward, clip_gradients, hand-stepped
     # schedulers (DDP needs find_unused_parameters: each backward leaves the other optimizer's parameters frozen).

@@ -343,6 +343,13 @@ def test_gradient_clipping_matches_ddp(main_run: dict) -> None:
     assert main_run["clip_changes_params"] > 1e-3  # the threshold really clipped
 
 
+def test_lightning_grad_norm_logs_whole_gradients_as_ddp(main_run: dict) -> None:
+    """Lightning's ``grad_norm`` (imported by name before any strategy existed): every parameter's norm and the
+    total, 2-norm and inf-norm, equal to DDP's to fp32 rounding (this rank's part of a shard would be smaller)."""
+    assert main_run["grad_norm_steps"] == 3 and all(main_run["grad_norm_keys"]), main_run["grad_norm_keys"]
+    assert main_run["grad_norm_rel_diff"] <= 1e-5, main_run["grad_norm_rel_diff"]
+
+
 def test_manual_optimization_with_two_optimizers_matches_ddp(main_run: dict) -> None:
     assert main_run["manual_steps"] >= 6  # batches: max_steps counts both optimizers' steps
     assert main_run["manual_loss_diff"] <= FP32_TOL and main_run["manual_param_diff"] <= FP32_TOL, main_run

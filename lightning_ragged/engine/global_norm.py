@@ -56,6 +56,26 @@ def total_norm(
     return stacked.sum().pow(1.0 / norm_type)
 
 
+def tensor_norms(groups: dict[object, list[torch.Tensor]], norm_type: float) -> dict[object, list[torch.Tensor]]:
+    """Each tensor's ``norm_type``-norm (``norm_type`` > 0) over every rank's part, in fp32 (fp64 for fp64):
+    one collective per shard group of more than one rank (a vector of the group's tensors), in ``groups``'
+    order; REPLICATED tensors' are torch's own ``norm``, as if unsharded."""
+    norms: dict[object, list[torch.Tensor]] = {}
+    for key, grads in groups.items():
+        if key is REPLICATED:
+            norms[key] = [g.norm(norm_type) for g in grads]
+            continue
+        dtype = torch.float64 if any(g.dtype == torch.float64 for g in grads) else torch.float32
+        local = torch.stack([g.to(dtype).norm(norm_type) if g.numel() else torch.zeros((), dtype=dtype,
+                                                                                         device=g.device)
+                             for g in grads])
+        if not math.isinf(norm_type):
+            local = local.pow(norm_type)
+        reduced = _all_ranks(local, key, norm_type)
+        norms[key] = list(reduced if math.isinf(norm_type) else reduced.pow(1.0 / norm_type))
+    return norms
+
+
 def _part(key: object, grads: list[torch.Tensor], norm_type: float, dtype: torch.dtype, foreach: bool | None):
     """One group's norm over all ranks, in the form that combines (p-th power, or extremum)."""
     device = grads[0].device
@@ -65,13 +85,20 @@ def _part(key: object, grads: list[torch.Tensor], norm_type: float, dtype: torch
         part = TORCH_TOTAL_NORM(held, norm_type, foreach=foreach).to(dtype)
         if not math.isinf(norm_type):
             part = part.pow(norm_type)
+    if key is REPLICATED:
+        return part
+    return _all_ranks(part, key, norm_type)
+
+
+def _all_ranks(part: torch.Tensor, key: object, norm_type: float) -> torch.Tensor:
+    """Local parts (p-th powers or extrema, any shape) combined over the shard group ``key``, elementwise."""
     group = None if key is _WORLD else key
-    if key is REPLICATED or dist.get_world_size(group) == 1:
+    if dist.get_world_size(group) == 1:
         return part
     if not math.isinf(norm_type):
         dist.all_reduce(part, op=dist.ReduceOp.SUM, group=group)  # a sum keeps a NaN
         return part
     sign = 1.0 if norm_type > 0 else -1.0  # MIN of (value, -flag): the flag's minimum is -1 where any rank had NaN
-    pair = torch.stack([part, sign * part.isnan().to(dtype)])
+    pair = torch.stack([part, sign * part.isnan().to(part.dtype)])
     dist.all_reduce(pair, op=dist.ReduceOp.MAX if sign > 0 else dist.ReduceOp.MIN, group=group)
     return torch.where(pair[1] != 0, torch.full_like(pair[0], math.nan), pair[0])

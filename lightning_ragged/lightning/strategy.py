@@ -56,6 +56,7 @@ from lightning_ragged.lightning.preemption import attach as attach_slurm_requeue
 from lightning_ragged.lightning.model_summary import use_global_parameter_counts
 from lightning_ragged.lightning.parallel import RaggedParallel
 from lightning_ragged.lightning.precision import to_ragged_precision
+from lightning_ragged.lightning.grad_norm import route_lightning_grad_norm
 from lightning_ragged.lightning.sharding import (
     ModuleSpec, hsdp_groups, replicate_degree_for, resolve_classes, shard_module,
 )
@@ -344,6 +345,7 @@ class RaggedFSDPStrategy(RaggedParallel, ParallelStrategy):
         else:  # a second fit/validate/test with the same module: the same settings, rebound to this run's groups
             check_reused_module(self.model, self._sharding_settings())
             self._rebind_process_groups(self.model)
+        route_lightning_grad_norm()  # Lightning's grad_norm: whole gradients' norms, not this rank's parts
         self.precision_plugin.sharded_module = self.model
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:

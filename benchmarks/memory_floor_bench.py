@@ -2,12 +2,13 @@
 
 ``python benchmarks/memory_floor_bench.py`` (~2 min) measures, with ``memory_bench``'s storage
 tracker and model (the 20.5M GPT, 4 sequences per rank, step 2 of AdamW), the peak live bytes per
-rank at W=2 in fp32 and bf16 and at W=4 in bf16 (the configuration where lightning_ragged's peak
-is furthest above FSDP2's) for these wrappings: lightning_ragged and FSDP2 as ``memory_bench``
-wraps them (every block a group, the root the rest), both with the token embedding in a group
-of its own (``group_modules=[Block, model.embed]`` / ``fully_shard(model.embed)``, as torchtitan
-wraps it), so the embedding's full buffer is freed after its forward instead of living through
-the loss's backward, and lightning_ragged with the in-place all-reduce. At each peak it also
+rank at W=2 in fp32 and bf16 and at W=4 in bf16 for these wrappings: lightning_ragged's defaults
+(every block a group, the token embedding a group of its own, the root the rest) and FSDP2 as
+``memory_bench`` wraps it (every block, then the root), each also the other way
+(``group_modules=[Block]``: the embedding in the root; ``fully_shard(model.embed)`` first, as
+torchtitan wraps it), so the effect of freeing the embedding's full buffer after its forward
+instead of keeping it through the loss's backward shows in both, and lightning_ragged with the
+in-place all-reduce. At each peak it also
 reads what the framework itself holds there (full parameters, full gradients, reduction
 buffers in flight) from the framework's own objects. It writes the "memory-floor" section of
 ``benchmarks/RESULTS.md``. Counts, not times: the result does not depend on machine load.
@@ -38,17 +39,18 @@ CONFIGS = ((2, "fp32"), (2, "bf16"), (4, "bf16"))
 HELD = ("params", "grads", "reduction")
 """(world size, precision) per process tree."""
 VARIANTS = {
-    "ragged": "lightning_ragged, blocks + root",
-    "ragged-embed": "lightning_ragged, blocks + embedding + root",
-    "ragged-allreduce": "lightning_ragged, blocks + root, `reduce_mode=\"all_reduce\"`",
-    "fsdp2": "FSDP2, blocks + root",
-    "fsdp2-embed": "FSDP2, blocks + embedding + root",
+    "ragged": "lightning_ragged defaults (blocks + embedding + root)",
+    "ragged-blocks": "lightning_ragged, blocks + root (`group_modules=[Block]`)",
+    "ragged-allreduce": "lightning_ragged defaults, `reduce_mode=\"all_reduce\"`",
+    "fsdp2": "FSDP2, blocks + root (memory_bench's wrapping)",
+    "fsdp2-embed": "FSDP2, blocks + embedding + root (as torchtitan)",
 }
 
 
 def build(name: str, precision: str, seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    """``memory_bench.build`` for its frameworks; the ``-embed`` variants also give the embedding a group."""
-    if not name.endswith(("-embed", "-allreduce")):
+    """``memory_bench.build`` for its frameworks; ``ragged-blocks`` leaves the embedding in the root,
+    ``fsdp2-embed`` gives it a group."""
+    if not name.endswith(("-embed", "-allreduce", "-blocks")):
         return memory_bench.default_build(name, precision, seed)
     model = memory_bench.make_gpt(memory_bench.CFG, seed)
     bf16 = memory_bench.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -57,10 +59,10 @@ def build(name: str, precision: str, seed: int = 0) -> tuple[torch.nn.Module, to
         import lightning_ragged
 
         lightning_ragged.fully_shard(model, mp_policy=policy, reduce_mode="all_reduce")
-    elif name == "ragged-embed":
+    elif name == "ragged-blocks":
         import lightning_ragged
 
-        lightning_ragged.fully_shard(model, mp_policy=policy, group_modules=[type(model.blocks[0]), model.embed])
+        lightning_ragged.fully_shard(model, mp_policy=policy, group_modules=[type(model.blocks[0])])
     else:
         from torch.distributed.fsdp import fully_shard
 
@@ -169,7 +171,7 @@ def section(results: dict[tuple[int, str], list[dict]]) -> str:
         "autograd's saved tensors, sharded gradients, temporaries, and what a framework holds in local variables: "
         "FSDP2's reduce-scatter being prepared keeps its gradients and fp32 input there, seen by no object).",
         "",
-        "| W | precision | wrapping | peak live MiB/rank | vs FSDP2 blocks + root | peak at | full params | "
+        "| W | precision | wrapping | peak live MiB/rank | vs FSDP2 (blocks + root) | peak at | full params | "
         "full grads | reduction buffers | sharded | the rest |",
         "|---:|---|---|---:|---:|---|---:|---:|---:|---:|---:|",
     ]
@@ -190,8 +192,10 @@ def section(results: dict[tuple[int, str], list[dict]]) -> str:
         "bf16 until the reduction, as FSDP2 does) both FSDPs hold the same sharded parameters and AdamW state, "
         "the root's full buffers and the activations; the only framework-held tensor there that backward does "
         "not need is the token embedding's full weight (its backward reads only the indices). A group of its "
-        "own frees it after the forward, in either framework alike: the same floor for both, ~0.96x of the "
-        "default wrapping, so issue 12's \"<= 0.9x FSDP2's peak\" is out of reach on this model for live "
+        "own frees it after the forward, in either framework alike. lightning_ragged's defaults give it one (and "
+        "never re-gather it for backward, so the bytes per step stay those of the root wrapping), which puts its "
+        "default peak at the floor, ~0.96x of FSDP2's default wrapping; FSDP2 wrapped as torchtitan wraps it "
+        "reaches the same floor. Issue 12's \"<= 0.9x FSDP2's peak\" is out of reach on this model for live "
         "tensor bytes; what remains between the frameworks on a GPU is the allocator (reserved memory, streams).",
         "",
     ]
@@ -206,7 +210,7 @@ def section(results: dict[tuple[int, str], list[dict]]) -> str:
     model = memory_bench.make_gpt(memory_bench.CFG)
     head = sum(p.numel() for p in [*model.head.parameters(), *model.ln_f.parameters()])
     total = sum(p.numel() for p in model.parameters())
-    lines += ["", "lightning_ragged's bf16 peak against FSDP2's (blocks + root):"]
+    lines += ["", "lightning_ragged's bf16 peak (defaults) against FSDP2's (blocks + root):"]
     for (world, precision), gathered in results.items():
         if precision != "bf16":
             continue

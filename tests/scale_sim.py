@@ -61,7 +61,7 @@ def predict(preset: str, world: int, alignment: int | None = None) -> dict[str, 
 
     Per step with ``reshard_after_forward=True``: each block DBuffer is all-gathered twice
     (forward, and again in backward), each root DBuffer once (the root stays unsharded
-    for its backward); every DBuffer is reduce-scattered once; plus one all-reduce of the
+    for its backward), the token embedding's group once (its backward reads no weight); every DBuffer is reduce-scattered once; plus one all-reduce of the
     "got a gradient" flags and one broadcast of the buffers. Bytes are the full buffer
     (world * S elements) in the compute dtype, as every rank receives (all-gather) or sends
     (reduce-scatter) it.
@@ -82,7 +82,9 @@ def predict(preset: str, world: int, alignment: int | None = None) -> dict[str, 
     segments = sorted(
         (g["group"] == "root", b["segment_size"]) for g in groups for _ in range(g["count"]) for b in g["dbuffers"]
     )
-    gathers = [(1 if is_root else 2, size) for is_root, size in segments]
+    once = ("root", "embed_tokens")  # the plan CLI's kind names: the root, the untied token embedding's group
+    gathers = [(1 if g["group"] in once else 2, b["segment_size"])
+               for g in groups for _ in range(g["count"]) for b in g["dbuffers"]]
     weighted = [(g["count"], b) for g in groups for b in g["dbuffers"]]
     return dict(
         segments=segments,

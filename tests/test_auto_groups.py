@@ -81,7 +81,7 @@ def check_training(kwargs: dict, lists: list[list[int]] | None = None, accumulat
         reference_opt.step()
         reference_opt.zero_grad()
     full, expected = lr.full_state_dict(model), reference.state_dict()
-    block_groups = state.groups
+    block_groups = [g for g in state.groups if g.name != "embed"]  # the token embedding's group of its own
     return {
         "max_diff": max((full[k] - expected[k]).abs().max().item() for k in expected),
         "gathers": gathers,
@@ -89,6 +89,7 @@ def check_training(kwargs: dict, lists: list[list[int]] | None = None, accumulat
         "sizes": [len(g.members) for g in block_groups],
         "block_dbuffers": sum(len(g.dbuffers) for g in block_groups),
         "root_dbuffers": len(state.root_group.dbuffers),
+        "embed_dbuffers": sum(len(g.dbuffers) for g in state.groups if g.name == "embed"),
         "dbuffers": sum(len(g.dbuffers) for g in state.all_groups),
         "names": [g.name for g in block_groups],
     }
@@ -115,23 +116,26 @@ def test_block_groups_train_like_single_process(dist_pool, world_size, variant):
     assert result["sizes"] == expected and len(expected) == (len(lists) if lists else math.ceil(CFG.layers / k))
     if variant == "lists":
         assert result["names"] == ["blocks.0-1", "blocks.2", "blocks.3-4"]
-    # one reduction per DBuffer; all-gathers: twice per block DBuffer (once kept), once per root DBuffer
+    # one reduction per DBuffer; all-gathers: twice per block DBuffer (once kept), once per root DBuffer and
+    # once for the embedding's (its backward reads no weight)
+    assert result["embed_dbuffers"] == (0 if lists else 1), result  # explicit group_modules: only those
     assert result["reduces"] == [result["dbuffers"]] * STEPS, result
     per_block = 1 if kwargs.get("reshard_after_forward") is False else 2
-    expected_gathers = (per_block * result["block_dbuffers"] + result["root_dbuffers"]) * (2 if accumulate else 1)
+    once = result["root_dbuffers"] + result["embed_dbuffers"]
+    expected_gathers = (per_block * result["block_dbuffers"] + once) * (2 if accumulate else 1)
     assert result["gathers"] == [expected_gathers] * STEPS, result
 
 
 def _description() -> list[GroupKind]:
-    """The benchmark GPT's groups, written out by hand: 5 identical blocks, then the root's two runs."""
+    """The benchmark GPT's groups, written out by hand: the token embedding, 5 identical blocks, the root's two runs."""
     w, v = CFG.width, CFG.vocab
     block = [("ln1.weight", (w,)), ("ln1.bias", (w,)), ("qkv.weight", (3 * w, w)), ("qkv.bias", (3 * w,)),
              ("proj.weight", (w, w)), ("proj.bias", (w,)), ("ln2.weight", (w,)), ("ln2.bias", (w,)),
              ("fc.weight", (4 * w, w)), ("fc.bias", (4 * w,)), ("out.weight", (w, 4 * w)), ("out.bias", (w,))]
-    root = [[("embed.weight", (v, w)), ("pos.weight", (CFG.seq, w))],
-            [("ln_f.weight", (w,)), ("ln_f.bias", (w,)), ("head.weight", (v, w))]]
+    root = [[("pos.weight", (CFG.seq, w))], [("ln_f.weight", (w,)), ("ln_f.bias", (w,)), ("head.weight", (v, w))]]
     members = [f"blocks.{i}" for i in range(CFG.layers)]
-    return [GroupKind("blocks", CFG.layers, [block], members), GroupKind("root", 1, root, ["root"])]
+    return [GroupKind("embed", 1, [[("weight", (v, w))]], ["embed"]), GroupKind("blocks", CFG.layers, [block], members),
+            GroupKind("root", 1, root, ["root"])]
 
 
 def check_auto(granularity: str) -> dict:

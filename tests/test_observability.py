@@ -417,7 +417,9 @@ def test_plan_cli_preset_matches_plan_called_directly():
     assert block["count"] == 80
     # The same block, written out independently (known answer above), planned directly.
     shapes = llama3_70b()
-    assert describe_model(PRESETS["llama3-70b"]).groups[0].shapes == shapes
+    kinds = {kind.name: kind for kind in describe_model(PRESETS["llama3-70b"]).groups}
+    assert kinds["layers"].shapes == shapes
+    assert kinds["embed_tokens"].shapes == [("weight", (128256, 8192))]  # untied: a group of its own
     assert _planner_table().MODELS["Llama-3-70B"]() == shapes
     specs = [
         lr.TensorSpec(name, math.prod(shape), resolve_granularity("row", name, torch.empty(shape, device="meta")))
@@ -438,9 +440,12 @@ def test_plan_cli_table_replicate_degree_and_shapes_of_other_presets(capsys):
     from lightning_ragged.cli.plan import main
 
     models = _planner_table().MODELS
-    assert describe_model(PRESETS["gpt-oss-120b"]).groups[0].shapes == gpt_oss_120b()
-    assert describe_model(PRESETS["deepseek-v3"], experts="separate").groups[1].shapes == deepseek_v3_separate()
-    assert describe_model(PRESETS["deepseek-v3"], experts="fused").groups[1].shapes == deepseek_v3_fused()
+    def kind(preset: str, label: str, **kwargs):
+        return next(k for k in describe_model(PRESETS[preset], **kwargs).groups if k.name.startswith(label))
+
+    assert kind("gpt-oss-120b", "layers").shapes == gpt_oss_120b()
+    assert kind("deepseek-v3", "layers 3-", experts="separate").shapes == deepseek_v3_separate()
+    assert kind("deepseek-v3", "layers 3-", experts="fused").shapes == deepseek_v3_fused()
     assert models["GPT-OSS-120B (experts fused)"]() == gpt_oss_120b()
     assert models["DeepSeek-V3 (experts separate)"]() == deepseek_v3_separate()
     assert models["DeepSeek-V3 (experts fused)"]() == deepseek_v3_fused()

@@ -291,8 +291,9 @@ def test_llama_meta_init_equals_eager_bit_for_bit(dist_pool, tie: bool) -> None:
     for result in dist_pool(2).run(check_llama_meta_equals_eager, tie):
         assert result["traced"] and result["bitwise"] and result["diff"] == 0.0, result
         assert result["buffers_equal"] and result["tied"] == tie, result
-        # reset_parameters draws overwritten by _init_weights went to scratch tensors: one group at a time
-        assert result["dead_writes"] > 0 and result["peak_open_groups"] == 2, result
+        # reset_parameters draws overwritten by _init_weights went to scratch tensors: one group at a time, beside
+        # the root while the blocks run when the root holds the (tied) embedding before them and the head after
+        assert result["dead_writes"] > 0 and result["peak_open_groups"] == (2 if tie else 1), result
         assert result["peak_within_root_plus_block"], result
 
 

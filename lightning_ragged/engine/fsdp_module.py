@@ -115,6 +115,13 @@ class FSDPModule:
     def _ragged_own_dbuffers(self) -> list:
         return [dbuffer for group in self._ragged_own_groups() for dbuffer in group.dbuffers]
 
+    def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
+        """FSDP2's: whether this module's own group is all-gathered again for its backward. False only where the
+        backward reads none of its parameters (an embedding: lightning_ragged decides that one by itself); with
+        a parameter it does read, backward fails on the freed storage. True: always re-gathered, as by default."""
+        for group in self._ragged_own_groups():
+            group.unshard_in_backward = group.is_root or bool(unshard_in_backward)
+
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
         """Keep the full parameters after backward (False), e.g. across accumulation micro-batches."""
         for group in self._ragged_nested_groups() if recurse else self._ragged_own_groups():
@@ -201,7 +208,6 @@ FSDP2_ONLY_METHODS: dict[str, tuple[Callable[..., bool], str]] = {
                                                 "zeros"),
     "set_reduce_scatter_max_input_buffers": (_any, "at most one reduction is in flight"),
     "set_separate_reduce_scatter_group": (_any, "reductions use the shard process group"),
-    "set_unshard_in_backward": (_any, "a group's backward re-gathers its parameters when its gradients need them"),
     "set_symm_mem_for_comm": (_any, "collectives use the process group's own buffers"),
     "set_allocate_memory_from_process_group_for_comm": (_any, "collectives use the process group's own buffers"),
 }

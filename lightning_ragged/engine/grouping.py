@@ -4,8 +4,13 @@ A group is unsharded as a whole right before its module runs. By default every b
 every stack is a group: the children of each ``nn.ModuleList``/``nn.Sequential`` that are
 modules of modules (an encoder's and a decoder's layers, a vision tower beside an LM, a
 UNet's down and up blocks), and a block class repeated among siblings. Without any,
-modules are picked by size so that no group exceeds ``dbuffer_size``. Whatever is left
-(embeddings, final norm, head, tied weights) forms the root group. A group may also be
+modules are picked by size so that no group exceeds ``dbuffer_size``. Beside blocks, a large
+input embedding (an ``nn.Embedding`` outside them, untied, with at least ``EMBEDDING_SHARE`` of the
+parameters the blocks leave) is a group of its own: its full table is freed right after the lookup
+instead of living through forward and backward in the root, and it is never re-gathered, because an
+embedding's backward reads only the indices (``needs_params_in_backward``; torchtitan wraps its
+token embedding apart for the same reason). Whatever is left (small or tied embeddings, final norm,
+head) forms the root group. A group may also be
 several consecutive sibling blocks (``blocks_per_group``, or a list in ``group_modules``):
 fewer, larger groups pad less at a large world (see ``layout/auto.py``).
 """
@@ -24,6 +29,8 @@ from lightning_ragged.layout.errors import DBufferAlignmentError
 GroupSpec = Union[Type[nn.Module], nn.Module, Sequence[nn.Module]]
 """A block class, one module, or a list of consecutive sibling modules that form one group."""
 Members = list[tuple[str, nn.Module]]
+EMBEDDING_SHARE = 0.25
+"""An embedding outside the blocks gets a group of its own from this share of the parameters they leave."""
 
 
 @dataclass
@@ -78,6 +85,10 @@ def choose_group_modules(
     if group_modules is None:
         blocks = stack_blocks(root)
         chosen = [[entry] for entry in (blocks if blocks else _size_groups(root, dbuffer_size))]
+        if blocks:
+            position = {id(m): index for index, (_, m) in enumerate(named)}
+            chosen = sorted(chosen + [[entry] for entry in _large_embeddings(root, blocks)],
+                            key=lambda members: position[id(members[0][1])])
     else:
         specs = list(group_modules)
         lists = [spec for spec in specs if isinstance(spec, (list, tuple))]
@@ -100,6 +111,26 @@ def choose_group_modules(
         position = {id(m): index for index, (_, m) in enumerate(named)}
         chosen.sort(key=lambda members: position[id(members[0][1])])
     return _join_siblings(root, chosen, blocks_per_group) if blocks_per_group > 1 else chosen
+
+
+def _large_embeddings(root: nn.Module, blocks: Members) -> Members:
+    """The embeddings outside ``blocks`` that get a group of their own (the module docstring says which)."""
+    inside = {id(m) for _, block in blocks for m in block.modules()}
+    slots = parameter_slots(root)
+    left = sum(p.numel() for p in root.parameters() if not any(id(m) in inside for _, m, _ in slots[id(p)]))
+    return [
+        (name, module) for name, module in root.named_modules()
+        if isinstance(module, nn.Embedding) and id(module) not in inside and module is not root
+        and all(len(slots[id(p)]) == 1 for p in module.parameters())  # a tied table stays with its other use
+        and module.weight.numel() >= EMBEDDING_SHARE * left
+    ]
+
+
+def needs_params_in_backward(module: nn.Module) -> bool:
+    """False where the module's backward provably reads none of its parameters, so its group need not be
+    re-gathered for backward (FSDP2's ``set_unshard_in_backward(False)``, decided here): an ``nn.Embedding``
+    (its backward reads only the indices) whose class keeps ``nn.Embedding``'s own forward."""
+    return not (isinstance(module, nn.Embedding) and type(module).forward is nn.Embedding.forward)
 
 
 def _siblings(root: nn.Module, name: str) -> list[str]:

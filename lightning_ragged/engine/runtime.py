@@ -260,7 +260,7 @@ class RaggedFSDPState:
             else:
                 targets = []
         for target in targets:
-            if not target.backward_prepared and target is not group:
+            if not target.backward_prepared and target is not group and (forward or target.unshard_in_backward):
                 target.unshard(async_op=True)
 
     def _cast_inputs(self, group: ShardGroup, args: tuple, kwargs: dict, cast: bool = True) -> tuple[tuple, dict]:

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from lightning_ragged.engine.dbuffer import DBuffer
+from lightning_ragged.engine.grouping import needs_params_in_backward
 
 
 class ShardGroup:
@@ -53,6 +54,8 @@ class ShardGroup:
         self.forward_prefetch: list[ShardGroup] | None = None
         """Groups to all-gather when this one's forward starts (None: the recorded order)."""
         self.backward_prefetch: list[ShardGroup] | None = None
+        self.unshard_in_backward = is_root or len(self.members) > 1 or needs_params_in_backward(module)
+        """FSDP2's ``set_unshard_in_backward``; False (decided for an embedding's group): no backward re-gather."""
         self.mp_policy = None
         self.output_dtype: torch.dtype | None = None
         """The module's floating-point outputs cast to this dtype: ``mp_policy.output_dtype`` of the group whose
@@ -142,8 +145,10 @@ class ShardGroup:
         self.backward_calls = sum(1 for _, node in alive if torch._C._will_engine_execute_node(node))
 
     def prepare_backward(self) -> None:
-        """Unshard for backward (each gradient buffer is allocated at its first gradient)."""
-        self.use_unsharded()
+        """Unshard for backward unless it reads no parameter (each gradient buffer is allocated at its first
+        gradient, which autograd computes without the full parameters then)."""
+        if self.unshard_in_backward:
+            self.use_unsharded()
         self.backward_prepared = True
 
     def end_backward(self) -> None:

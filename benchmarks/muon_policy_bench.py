@@ -129,8 +129,9 @@ def table(by_world: dict[int, list[dict]]) -> str:
             )
     lines += [
         "",
-        '"matrix" keeps every parameter whole, the embedding and the head (3.1M elements each, one per root '
-        "DBuffer) too: a root DBuffer's segment must hold one of them whole, so padding grows with the ranks and "
+        '"matrix" keeps every parameter whole, the embedding and the head (3.1M elements each; the embedding in '
+        "a group of its own, the head in the root's DBuffer after the blocks) too: such a DBuffer's segment must "
+        "hold one of them whole, so padding grows with the ranks and "
         "AdamW's state lands on the ranks that hold them. \"muon\" keeps whole only what Muon orthogonalizes "
         "(still 0 collectives in its step) and cuts the AdamW side at rows; its padding is the blocks': 4 whole "
         "matrices per block DBuffer in equal segments, so a segment is at least the largest matrix (fc and out, "

@@ -123,16 +123,29 @@ def test_large_embedding_is_a_group_never_regathered_for_backward(dist_pool, wor
         assert result["full"] == default["full"]  # the re-gather changes nothing but bytes
 
 
+class ScaledEmbedding(nn.Embedding):
+    """An embedding with a forward of its own (as transformers' scaled word embeddings): its backward is not
+    known to skip the table, so it is not made a group that would be gathered twice."""
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return super().forward(tokens) * 2.0
+
+
 def check_tied_and_explicit_groups() -> dict:
     """A tied table stays in the root (its other use is the head); explicit group_modules add none."""
     from tests.models import make_model
 
     tied = lr.get_state(lr.fully_shard(make_model()))
     explicit = lr.get_state(lr.fully_shard(_model(), group_modules=[TinyBlock]))
-    return {"tied": [g.name for g in tied.groups], "explicit": [g.name for g in explicit.groups]}
+    scaled = _model()
+    scaled.embed = ScaledEmbedding(VOCAB, WIDTH)
+    subclassed = lr.get_state(lr.fully_shard(scaled))
+    return {"tied": [g.name for g in tied.groups], "explicit": [g.name for g in explicit.groups],
+            "subclassed": [g.name for g in subclassed.groups]}
 
 
-def test_tied_or_explicitly_grouped_embeddings_stay_in_the_root(dist_pool):
+def test_tied_subclassed_or_explicitly_grouped_embeddings_stay_in_the_root(dist_pool):
     result = dist_pool(2).run(check_tied_and_explicit_groups)[0]
     assert result["tied"] == ["blocks.0", "blocks.1"], result
     assert result["explicit"] == ["blocks.0", "blocks.1"], result
+    assert result["subclassed"] == ["blocks.0", "blocks.1"], result

@@ -5,12 +5,12 @@ every stack is a group: the children of each ``nn.ModuleList``/``nn.Sequential``
 modules of modules (an encoder's and a decoder's layers, a vision tower beside an LM, a
 UNet's down and up blocks), and a block class repeated among siblings. Without any,
 modules are picked by size so that no group exceeds ``dbuffer_size``. Beside blocks, a large
-input embedding (an ``nn.Embedding`` outside them, untied, with at least ``EMBEDDING_SHARE`` of the
-parameters the blocks leave) is a group of its own: its full table is freed right after the lookup
-instead of living through forward and backward in the root, and it is never re-gathered, because an
-embedding's backward reads only the indices (``needs_params_in_backward``; torchtitan wraps its
-token embedding apart for the same reason). Whatever is left (small or tied embeddings, final norm,
-head) forms the root group. A group may also be
+input embedding (an ``nn.Embedding`` outside them with ``nn.Embedding``'s own forward, untied, with at
+least ``EMBEDDING_SHARE`` of the parameters the blocks leave) is a group of its own: its full table is
+freed right after the lookup instead of living through forward and backward in the root, and it is
+never re-gathered, because an embedding's backward reads only the indices (``needs_params_in_backward``;
+torchtitan wraps its token embedding apart for the same reason). Whatever is left (small, tied or
+subclassed embeddings, final norm, head) forms the root group. A group may also be
 several consecutive sibling blocks (``blocks_per_group``, or a list in ``group_modules``):
 fewer, larger groups pad less at a large world (see ``layout/auto.py``).
 """
@@ -121,6 +121,7 @@ def _large_embeddings(root: nn.Module, blocks: Members) -> Members:
     return [
         (name, module) for name, module in root.named_modules()
         if isinstance(module, nn.Embedding) and id(module) not in inside and module is not root
+        and not needs_params_in_backward(module)  # else a group of its own would be gathered twice, not once
         and all(len(slots[id(p)]) == 1 for p in module.parameters())  # a tied table stays with its other use
         and module.weight.numel() >= EMBEDDING_SHARE * left
     ]

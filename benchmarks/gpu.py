@@ -12,14 +12,16 @@ machine with at least one CUDA device; it plans to finish in under 8 minutes on 
     comm streams (``engine/streams.py``).
 (a') **the comm streams under torch's CUDA sanitizer** (``TORCH_CUDA_SANITIZER=1``, which flags
     kernels of different streams touching one tensor without an event between them), once more at
-    world 2 on the backend (a) used there, two cases of ``SANITIZED_STEPS`` AdamW steps:
+    world 2 on the backend (a) used there, three cases of ``SANITIZED_STEPS`` AdamW steps:
     ``bf16+keep`` (``keep_cast_shard=True``: the kept cast made on compute, read by the all-gather
     stream, dropped at the optimizer step) against the same sharded run with it off: pass when
     bitwise equal; ``fp32+fp8`` (``fp8_all_gather``: quantize on the all-gather stream, the full
     buffer allocated and dequantized on compute at the wait) against one process whose Linear weights
     are fake-quantized per tile before each forward (``tests/test_fp8_gather.py``'s oracle): pass when
     every weight gathered before training equals the oracle bit for bit and the parameters after
-    training are within ``FP8_TOLERANCE``. A sanitizer report fails its case (its error is the
+    training are within ``FP8_TOLERANCE``; ``fp32+hook`` (``set_all_reduce_hook`` on a stream of its own,
+    a hook doubling and halving each reduced segment in place: exact) against one process at
+    ``PARITY_TOLERANCE``. A sanitizer report fails its case (its error is the
     verdict, with the sanitizer's first reports). The sanitizer sees a collective read its inputs and write
     the tensors it returns (the c10d ops return their outputs), on the stream it was issued on, so it checks
     the kernels around the collectives (casts, quantize, dequantize, the optimizer, gradients) and a read of
@@ -82,7 +84,8 @@ PARITY_TOLERANCE = 1e-5
 PARITY_CASES = ("ragged/fp32/reduce_scatter", "ragged/fp32/all_reduce", "ragged/bf16/reduce_scatter", "fsdp2/bf16/-",
                 "ragged/fp16/reduce_scatter", "fsdp2/fp16/-")
 """fp16: fp16 gathers and compute with torch's ShardedGradScaler (what ``precision="16-mixed"`` runs)."""
-SANITIZED_CASES = ("ragged/bf16+keep/reduce_scatter", "ragged/fp32+fp8/reduce_scatter")
+SANITIZED_CASES = ("ragged/bf16+keep/reduce_scatter", "ragged/fp32+fp8/reduce_scatter",
+                   "ragged/fp32+hook/reduce_scatter")
 SANITIZED_STEPS = 3  # the sanitizer records a stack at each kernel: short, to stay inside the phase limit
 FP8_TOLERANCE = 1e-5  # as fp32 parity: the oracle quantizes the same masters, rounding order aside
 # TinyLlama-1.1B's shape: 1,100,048,384 parameters (untied head).
@@ -226,6 +229,10 @@ def _parity_case(
         for block in model.blocks:
             fsdp2_shard(block, mp_policy=policy)
         fsdp2_shard(model, mp_policy=policy)
+    if precision == "fp32+hook":  # the hook's kernels on a stream of its own, between the reduction and its use
+        stream = torch.Stream(device=device) if device.type == "cuda" else None
+        for module in (m for m in model.modules() if isinstance(m, lr.FSDPModule)):
+            module.set_all_reduce_hook(lambda reduced: reduced.mul_(2.0).div_(2.0), stream=stream)
     sharded_reference = precision == "bf16+keep"
     if sharded_reference:
         lr.fully_shard(reference, mp_policy=policy, reduce_mode=mode, device=device)
@@ -501,8 +508,8 @@ def run(args: argparse.Namespace, progress: Callable[[dict], None] = lambda resu
         parity_run(2, "nccl", "two GPUs")
     elif parity_run(2, "nccl", "two ranks on one GPU", limit_s=min(45.0, args.phase_limit_s)) is not None:
         parity_run(2, "gloo", "NCCL refused two ranks on one GPU: gloo on CUDA tensors")
-    sanitized = ("(a') keep_cast_shard, fp8: no sanitizer on CPU" if dry
-                 else "(a') keep_cast_shard, fp8 under TORCH_CUDA_SANITIZER=1")
+    sanitized = ("(a') keep_cast_shard, fp8, hook stream: no sanitizer on CPU" if dry
+                 else "(a') keep_cast_shard, fp8, hook stream under TORCH_CUDA_SANITIZER=1")
     parity_run(2, result["parity"][-1]["backend"], sanitized, cases=SANITIZED_CASES, steps=SANITIZED_STEPS,
                deterministic=True,
                env={} if dry else {"TORCH_CUDA_SANITIZER": "1", "CUBLAS_WORKSPACE_CONFIG": ":4096:8"})
@@ -543,7 +550,7 @@ def _ratio(a: float, b: float) -> str:
 def _verdict(case: str, outcome: dict, cases: dict) -> str:
     """fp32: against the tolerance; keep_cast_shard: bitwise; fp8: gathered bitwise and trained within its tolerance;
     ragged bf16 / fp16: its distance as a multiple of FSDP2's on the same run."""
-    if "/fp32/" in case:
+    if "/fp32/" in case or "/fp32+hook/" in case:
         return "pass" if outcome["max_diff"] <= PARITY_TOLERANCE else "FAIL"
     if "/bf16+keep/" in case:
         return "pass (bitwise)" if outcome["max_diff"] == 0 else "FAIL (not bitwise)"
@@ -562,7 +569,8 @@ def _parity_lines(parity: list[dict]) -> list[str]:
         f"### (a) Parity: {PARITY_STEPS} AdamW steps vs one process on the global batch "
         f"(benchmark GPT; fp32 without TF32 passes at <= {PARITY_TOLERANCE:g}; bf16 and fp16 (ShardedGradScaler) "
         f"against the fp32 reference); "
-        f"(a') {SANITIZED_STEPS} steps: bf16+keep against keep_cast_shard off, fp32+fp8 against fake-quantized weights",
+        f"(a') {SANITIZED_STEPS} steps: bf16+keep against keep_cast_shard off, fp32+fp8 against fake-quantized weights, "
+        "fp32+hook (an all-reduce hook on its own stream) against one process",
         "",
         "| world | backend | why | case | max abs difference | |",
         "|---:|---|---|---|---:|---|",

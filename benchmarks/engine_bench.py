@@ -395,7 +395,7 @@ def render(result: dict[str, Any], cfg: GPTConfig, opts: dict[str, Any], load: t
         f"Schedule: {opts['warmup']} warm-up steps each, then {opts['rounds']} rounds x "
         f"[ragged, fsdp2, ddp] (order rotated every round) x {opts['steps']} timed steps; "
         f"{opts['rounds'] * opts['steps']} timed steps per framework, all three persistent in one process per rank.",
-        "Frameworks: lightning_ragged `fully_shard(model)` defaults (one group per block + root, row granularity, "
+        "Frameworks: lightning_ragged `fully_shard(model)` defaults (one group per block, the token embedding's, the root; row granularity, "
         "optimal planner, reshard after forward, gloo: `reduce_mode=\"pairwise\"`, each peer sent its segment of the flat gradient buffer); FSDP2 `fully_shard` "
         "on each "
         "block then the root (defaults); DDP defaults (25 MiB buckets).",

@@ -14,7 +14,7 @@ the same batches (``make_batches``; the global batch of step ``s`` split over th
 Lightning's ``DistributedSampler``) and AdamW(lr=1e-3), so their losses must agree.
 
 * ``ragged_fsdp``: ``Trainer(strategy="ragged_fsdp")`` with its defaults (one group per
-  block + root, row granularity, optimal planner, its metrics callback on).
+  block, the token embedding's, the root; row granularity, optimal planner, its metrics callback on).
 * ``fsdp2``: ``ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)``;
   ``configure_model`` applies ``torch.distributed.fsdp.fully_shard`` to each block then
   the GPT root (defaults) on the data-parallel mesh.
@@ -264,7 +264,7 @@ def render(fits: dict[str, list[list[dict[str, Any]]]], walls: dict[str, list[fl
         f"`Trainer.fit` of {total} steps in fresh processes (`python benchmarks/trainer_bench.py --worker "
         f"--strategy X`, rank 1 started by Lightning's subprocess launcher), the first {opts['warmup']} steps "
         f"untimed; {rounds * opts['steps']} timed steps per strategy.",
-        "Strategies: `strategy=\"ragged_fsdp\"` with its defaults (one group per block + root, row granularity, "
+        "Strategies: `strategy=\"ragged_fsdp\"` with its defaults (one group per block, the token embedding's, the root; row granularity, "
         f"optimal planner; its Trainer callbacks besides the probe: {', '.join(extra_cb) or 'none'}); "
         "`ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)` with `fully_shard` (FSDP2 defaults) "
         "on each block then the GPT root in `configure_model`; `strategy=\"ddp\"` defaults.",

@@ -37,6 +37,9 @@ class FSDPModule:
         """The groups this module is a member of (a group of several blocks is every member's, as FSDP2's)."""
         return [group for group in self._ragged_fsdp_state.all_groups if any(m is self for m in group.members)]
 
+    def _ragged_own_dbuffers(self) -> list:
+        return [dbuffer for group in self._ragged_own_groups() for dbuffer in group.dbuffers]
+
     def _ragged_nested_groups(self) -> list:
         inside = {id(m) for m in self.modules()}
         return [group for group in self._ragged_fsdp_state.all_groups if any(id(m) in inside for m in group.members)]
@@ -111,9 +114,6 @@ class FSDPModule:
             raise TypeError(f"set_all_reduce_hook({hook!r}): pass a function of the reduced tensor, or None")
         for dbuffer in self._ragged_own_dbuffers():
             dbuffer.custom.all_reduce_hook, dbuffer.custom.hook_stream = hook, stream
-
-    def _ragged_own_dbuffers(self) -> list:
-        return [dbuffer for group in self._ragged_own_groups() for dbuffer in group.dbuffers]
 
     def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
         """FSDP2's: whether this module's own group is all-gathered again for its backward. False only where the

@@ -147,6 +147,20 @@ class LitManualGPT(LitTinyGPT):
         return [opt_a, opt_b], schedulers
 
 
+class LitListGPT(LitTinyGPT):
+    """Shards its own modules in ``configure_model`` under ``ragged_fsdp`` as torchtitan does (the embedding, each
+    block, then ``[norm, head]`` as one group kept for backward); the strategy's call on it adopts them."""
+
+    def configure_model(self) -> None:
+        from lightning_ragged import RaggedFSDPStrategy, fully_shard
+
+        if isinstance(self.trainer.strategy, RaggedFSDPStrategy):
+            fully_shard(self.model.tok)
+            for block in self.model.blocks:
+                fully_shard(block)
+            fully_shard([self.model.norm, self.model.head], reshard_after_forward=False)
+
+
 class LitGradNorm(LitTinyGPT):
     """Logs Lightning's ``grad_norm`` (2-norm and inf-norm) before every optimizer step, imported by name at the top
     of the file as Lightning's docs write it; records them in ``self.grad_norms``."""

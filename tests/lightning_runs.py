@@ -34,7 +34,7 @@ import lightning_ragged  # noqa: E402,F401  (registers "ragged_fsdp")
 from lightning_ragged import RaggedFSDPStrategy, get_state  # noqa: E402
 from tests.comparisons import full_params, loss_diff, max_diff, worst  # noqa: E402
 from tests.lightning_models import (  # noqa: E402
-    LitGradNorm, LitManualGPT, LitRegression, LitTinyGPT, cpu_trainer, regression_loader, token_loader,
+    LitGradNorm, LitListGPT, LitManualGPT, LitRegression, LitTinyGPT, cpu_trainer, regression_loader, token_loader,
 )
 
 warnings.filterwarnings("ignore")
@@ -175,6 +175,10 @@ def main_mode(results: dict) -> None:
     # schedulers (DDP needs find_unused_parameters: each backward leaves the other optimizer's parameters frozen).
     parity(results, "manual", "ragged_fsdp", steps=12, module=LitManualGPT,
            ddp_strategy="ddp_find_unused_parameters_true")
+
+    # The user's configure_model shards the embedding, the blocks and a list ([norm, head]); the strategy adopts them.
+    _, listed = parity(results, "lists", "ragged_fsdp", module=LitListGPT)
+    results["lists_groups"] = sorted(g.name for g in get_state(listed).all_groups if g.dbuffers)
 
     # Accumulation: no reduction on the non-final micro-batch.
     counter = CountReductions()

@@ -356,6 +356,12 @@ def test_manual_optimization_with_two_optimizers_matches_ddp(main_run: dict) -> 
     assert main_run["manual_loss_diff"] <= FP32_TOL and main_run["manual_param_diff"] <= FP32_TOL, main_run
 
 
+def test_modules_sharded_in_configure_model_with_a_list_match_ddp(main_run: dict) -> None:
+    assert main_run["lists_steps"] >= 5
+    assert main_run["lists_loss_diff"] <= FP32_TOL and main_run["lists_param_diff"] <= FP32_TOL, main_run
+    assert main_run["lists_groups"] == ["model.blocks.0", "model.blocks.1", "model.norm+model.head", "model.tok", "root"]
+
+
 def test_accumulation_reduces_only_on_the_last_micro_batch(main_run: dict) -> None:
     per_backward = main_run["accum_reduces_per_backward"]
     assert len(per_backward) == 12

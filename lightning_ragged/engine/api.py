@@ -6,7 +6,9 @@ Two ways to call it, as with torch's FSDP2:
   of blocks, or a block class repeated among siblings) becomes a group, the root group
   keeps the rest (embeddings, head, tied weights);
 * FSDP2's pattern: ``fully_shard(block)`` for each block, then ``fully_shard(model)``:
-  each call makes one group (the last call adopts the earlier ones).
+  each call makes one group (the last call adopts the earlier ones); a list,
+  ``fully_shard([model.norm, model.output])``, makes one group of several modules (torchtitan's
+  norm and head, or a tied embedding and head), gathered when the first of them starts.
 
 A group may be several consecutive blocks (``blocks_per_group``, lists in ``group_modules``,
 or ``planning="auto"``, which asks ``layout/auto.py`` how many within a memory budget).
@@ -32,14 +34,19 @@ from lightning_ragged.engine.collectives import CommStats
 from lightning_ragged.engine.dbuffer import DBuffer
 from lightning_ragged.engine.fp8_gather import Float8AllGather, Fp8Gather, fp8_param_ids, tile_granularity
 from lightning_ragged.engine.fsdp2_args import check_reshard_after_forward, check_unsupported, groups_of_mesh
+from lightning_ragged.engine.forward_hooks import install_hooks, refuse_forward_until_adopted
 from lightning_ragged.engine.fsdp_module import make_fsdp_module, make_save_pretrained_gather, mark_managed
+from lightning_ragged.engine.module_lists import ListedModules, listed_modules
+from lightning_ragged.engine.partial_reshard import partial_group as partial_group_of
 from lightning_ragged.layout.auto import AutoPlan
 from lightning_ragged.layout.granularity import GranularityPolicy, resolve_granularity
 from lightning_ragged.engine.ownership import claim, refuse_sharded_twice
-from lightning_ragged.engine.grouping import GroupSpec, ParamGroupPlan, parameter_slots, plan_groups, split_into_dbuffers
+from lightning_ragged.engine.grouping import (
+    GroupSpec, ParamGroupPlan, group_name, parameter_slots, plan_groups, split_into_dbuffers,
+)
 from lightning_ragged.layout.planner import plan
 from lightning_ragged.layout.spec import TensorSpec
-from lightning_ragged.engine.runtime import RaggedFSDPState, eager, get_state
+from lightning_ragged.engine.runtime import RaggedFSDPState, get_state
 from lightning_ragged.engine.shard_group import ShardGroup
 from lightning_ragged.engine.state_sync import BufferSync, sync_params_and_buffers
 from lightning_ragged.engine.torch_grad_norm import route_torch_grad_norm
@@ -51,7 +58,7 @@ VIEW_ALIGNMENT_BYTES = 16
 
 
 def fully_shard(
-    module: nn.Module,
+    module: nn.Module | Sequence[nn.Module],
     *,
     process_group: dist.ProcessGroup | None = None,
     shard_granularity: GranularityPolicy = "row",
@@ -78,7 +85,7 @@ def fully_shard(
     offload_policy: Any = None,
     ignored_params: set[nn.Parameter] | None = None,
     shard_placement_fn: Callable[..., Any] | None = None,
-) -> nn.Module:
+) -> nn.Module | Sequence[nn.Module]:
     """Shard ``module``'s parameters over ``process_group`` with ragged, structure-aware shards.
 
     Works in place and returns ``module`` (its class becomes a subclass of
@@ -124,14 +131,23 @@ def fully_shard(
     ``get_state(m).stats`` counts no collective; fp8 all-gathers and HSDP keep their paths. FSDP2's ``mesh``
     (1-D, or 2-D HSDP: replicate, shard) gives the process groups; its ``reshard_after_forward=None`` is True;
     ``offload_policy``, ``ignored_params`` and ``shard_placement_fn`` are refused with what to use (``fsdp2_args.py``).
+    ``module`` may be a list of modules, as FSDP2's: one group of all their parameters, all-gathered when the
+    first of them starts its forward and done with after the last one ends it (any modules of the model, e.g.
+    ``[model.norm, model.output]`` or a tied ``[model.tok_embeddings, model.output]``); each becomes an
+    ``FSDPModule`` acting on that group. Shard the model that contains them afterwards (``fully_shard(model)``,
+    FSDP2's order): its call adopts the group and runs it. Returns ``module`` as given.
     """
-    existing = module.__dict__.get("_ragged_fsdp_state")
-    if existing is not None:
-        where = "it is" if existing.root is module else f"it is inside {type(existing.root).__name__}, which is"
-        raise ValueError(
-            f"{type(module).__name__} cannot be sharded: {where} already sharded by lightning_ragged.fully_shard. "
-            "Shard blocks first, then their parent (the FSDP2 order)"
-        )
+    listed = listed_modules(module, group_modules, blocks_per_group, planning)
+    target = ListedModules(listed) if listed is not None else module
+    label = type(module).__name__ if listed is None else f"[{', '.join(type(m).__name__ for m in listed)}]"
+    for each in listed or [module]:
+        existing = each.__dict__.get("_ragged_fsdp_state")
+        if existing is not None:
+            where = "it is" if existing.root is each else f"it is inside {type(existing.root).__name__}, which is"
+            raise ValueError(
+                f"{type(each).__name__} cannot be sharded: {where} already sharded by lightning_ragged.fully_shard. "
+                "Shard blocks first, then their parent (the FSDP2 order)"
+            )
     if not dist.is_initialized():
         raise RuntimeError("fully_shard needs torch.distributed initialized (e.g. dist.init_process_group('gloo'))")
     process_group, replicate_group = groups_of_mesh(mesh, process_group, replicate_group)
@@ -148,8 +164,8 @@ def fully_shard(
             f"max_inflight_all_gathers={max_inflight_all_gathers!r} must be an int >= 0 (0: no prefetch, "
             "1: one group ahead as FSDP2, more: more overlap for one more full buffer each)"
         )
-    fp8_ids = fp8_param_ids(module, fp8_all_gather)
-    children = _child_states(module)
+    fp8_ids = fp8_param_ids(target, fp8_all_gather)
+    children = _child_states(target)
     if children and (group_modules is not None or blocks_per_group != 1 or planning is not None):
         raise ValueError(
             "group_modules, blocks_per_group and planning cannot be combined with blocks sharded by earlier "
@@ -160,14 +176,21 @@ def fully_shard(
     auto = None
     if planning is not None or memory_budget_bytes is not None:
         auto, group_modules = _auto_plan(
-            module, planning, memory_budget_bytes, group_modules, blocks_per_group, world_size, replicate_group,
+            target, planning, memory_budget_bytes, group_modules, blocks_per_group, world_size, replicate_group,
             shard_granularity, block_rows, alignment, planning_algorithm, param_dtype, dbuffer_size, reduce_dtype,
         )
         dbuffer_size = auto.dbuffer_size
     stats = CommStats()
     adopted: list[ShardGroup] = []
-    paths = {id(m): name for name, m in module.named_modules()}
+    paths = {id(m): name for name, m in target.named_modules()}
     for child in children:
+        outside = [getattr(type(m), "_ragged_original", type(m)).__name__ for m in child.called_on if id(m) not in paths]
+        if outside:
+            raise ValueError(
+                f"{label} cannot adopt the group of an earlier fully_shard call on a list: its modules {outside} are "
+                "not inside it. Shard the model that contains every module of the list (FSDP2's order: blocks and "
+                "lists first, then their common parent)"
+            )
         world = dist.group.WORLD
         other = next((b for g in child.all_groups for b in g.dbuffers
                       if (b.process_group or world, b.replicate_group) != (process_group or world, replicate_group)),
@@ -178,28 +201,27 @@ def fully_shard(
                 "pass the same process_group and replicate_group to every fully_shard call of one model"
             )
     taken = {id(p) for child in children for group in child.all_groups for _b, _n, p in _group_params(group)}
-    claimed = refuse_sharded_twice(module, taken)  # before anything of the children is changed
+    claimed = refuse_sharded_twice(target, taken, label)  # before anything of the children is changed
     for child in children:
         for handle in child.handles:
             handle.remove()
-        prefix = paths[id(child.root)]
         for group in child.all_groups:
-            group.name = prefix if group.is_root else f"{prefix}.{group.name}"
-            group.is_root = False
+            group.adopt(group_name([(paths[id(member)], member) for member in group.members]))
             for dbuffer in group.dbuffers:
                 dbuffer.stats = stats
         adopted += child.all_groups
-    if children:
-        own = ParamGroupPlan("root", module)
-        for index, (name, param) in enumerate(module.named_parameters()):
+    if children or listed is not None:
+        own = ParamGroupPlan("root", module) if listed is None else \
+            ParamGroupPlan(label, listed[0], members=listed)
+        for index, (name, param) in enumerate(target.named_parameters()):
             if id(param) not in taken:
                 own.add(index, name, param)
-        group_plans = [own]
+        group_plans = [own] if own.runs or listed is None else []
     else:
         group_plans = plan_groups(module, group_modules, dbuffer_size, blocks_per_group)
 
-    slots_by_param = parameter_slots(module)
-    partial_group = _partial_group(process_group, reshard_after_forward)
+    slots_by_param = parameter_slots(target)
+    partial_group = partial_group_of(process_group, reshard_after_forward)
 
     new_groups = []
     built: list[tuple[DBuffer, list[tuple[str, nn.Parameter]]]] = []
@@ -241,28 +263,34 @@ def fully_shard(
             members=group_plan.members or None,
         )
         group.mp_policy = mp_policy
-        group.output_dtype = mp_policy.output_dtype if is_root and mp_policy is not None else None
+        called_on = is_root or listed is not None  # FSDP2 casts the outputs of the modules a call was given
+        group.output_dtype = mp_policy.output_dtype if called_on and mp_policy is not None else None
         new_groups.append(group)
 
     if sync_module_states:
-        sync_params_and_buffers(module, iter(built), process_group, replicate_group)
+        sync_params_and_buffers(target, iter(built), process_group, replicate_group)
     del built
-    state = RaggedFSDPState(module, _in_module_order(module, adopted + new_groups), stats)
-    state.buffer_sync = BufferSync(module, process_group, replicate_group) if broadcast_buffers else None
+    state = RaggedFSDPState(target, _in_module_order(target, adopted + new_groups), stats)
+    state.called_on = listed or [module]
+    state.buffer_sync = BufferSync(target, process_group, replicate_group) if broadcast_buffers else None
     state.keep_last_unsharded = keep_last_unsharded
     state.auto_plan = auto
     state.max_inflight_all_gathers = max_inflight_all_gathers
     for group in new_groups:
         group.reshard()
-    _install_hooks(state)
+    if listed is None:
+        install_hooks(state)
+    else:
+        refuse_forward_until_adopted(state, label)
     install_state_dict_hooks(new_groups)
     route_torch_grad_norm(dbuffer for group in new_groups for dbuffer in group.dbuffers)
     for member in (member for group in state.all_groups for member in group.members):
-        make_fsdp_module(member)  # every member of a group of blocks, as FSDP2's fully_shard([...])
-    make_fsdp_module(module)
-    make_save_pretrained_gather(module)
-    mark_managed(module, state)
-    claim(module, claimed + [p for group in new_groups for _b, _n, p in _group_params(group)])
+        make_fsdp_module(member)  # every member of a group of several modules, as FSDP2's fully_shard([...])
+    if listed is None:
+        make_fsdp_module(module)
+    make_save_pretrained_gather(target)
+    mark_managed(target, state)
+    claim(label, claimed + [p for group in new_groups for _b, _n, p in _group_params(group)])
     return module
 
 
@@ -317,11 +345,11 @@ def auto_plan_for(
 
 
 def _child_states(module: nn.Module) -> list[RaggedFSDPState]:
-    """States of earlier ``fully_shard`` calls on descendants (the FSDP2 pattern), in module order."""
+    """States of earlier ``fully_shard`` calls on descendants or lists of them (the FSDP2 pattern), in module order."""
     states = []
     for submodule in module.modules():
         state = submodule.__dict__.get("_ragged_fsdp_state")
-        if state is not None and state.root is submodule and state not in states:
+        if state is not None and any(m is submodule for m in state.called_on) and state not in states:
             states.append(state)
     return states
 
@@ -358,76 +386,6 @@ def _view_unit(alignment: int | None, master_dtype: torch.dtype, param_dtype: to
     """The planner's alignment in elements: the caller's, else 16 bytes of the smaller element (aligned views)."""
     smallest = min(dtype.itemsize for dtype in (master_dtype, param_dtype) if dtype is not None)
     return alignment or max(1, VIEW_ALIGNMENT_BYTES // smallest)
-
-
-_PARTIAL_GROUPS: dict[tuple[tuple[int, ...], int], dist.ProcessGroup] = {}
-
-
-def _partial_group(process_group: dist.ProcessGroup | None, size: bool | int) -> dist.ProcessGroup | None:
-    """For ``reshard_after_forward=size``: this rank's group of ``size`` consecutive shard ranks.
-
-    ``new_group`` is collective over the world, so every rank learns every shard group's
-    ranks and creates all the subgroups in the same order (cached per layout).
-    """
-    world = dist.get_world_size(process_group)
-    if isinstance(size, bool) or size in (1, world):
-        return None
-    mine = tuple(dist.get_process_group_ranks(process_group or dist.group.WORLD))
-    everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
-    for ranks in sorted(set(everyone)):
-        for start in range(0, len(ranks), size):
-            chunk = ranks[start : start + size]
-            if (chunk, size) not in _PARTIAL_GROUPS:
-                _PARTIAL_GROUPS[(chunk, size)] = dist.new_group(list(chunk))
-    position = mine.index(dist.get_rank())
-    return _PARTIAL_GROUPS[(mine[position - position % size : position - position % size + size], size)]
-
-
-def _install_hooks(state: RaggedFSDPState) -> None:
-    """Forward hooks on the modules that trigger each group; gradient hooks on its trainable full parameters.
-
-    The root's pre-hook starts every step; the root group is also unsharded by any module
-    that uses one of its parameters (an embedding called on its own, a tied head).
-    """
-    root = state.root
-    root_group = next((g for g in state.all_groups if g.is_root), None)
-
-    def root_pre_hook(_module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        state.root_pre_forward()
-        if root_group is None:
-            return args, kwargs
-        return state.pre_forward(root_group, args, kwargs, cast=state.cast_root_inputs)
-
-    def root_post_hook(_module: nn.Module, _args: tuple, output: Any) -> Any:
-        try:
-            return state.post_forward(root_group, output) if root_group is not None else output
-        finally:
-            state.root_post_forward()
-
-    handles = state.handles
-    handles.append(root.register_forward_pre_hook(eager(root_pre_hook), with_kwargs=True))
-    handles.append(root.register_forward_hook(eager(root_post_hook), always_call=True))
-    for group in state.all_groups:
-        if group.is_root:
-            owners = {id(owner): owner for owner, *_ in group.slots if owner is not root}
-            for owner in owners.values():
-                handles.append(owner.register_forward_pre_hook(
-                    eager(lambda _m, args, kwargs, g=group: state.pre_forward(g, args, kwargs)), with_kwargs=True
-                ))
-                handles.append(owner.register_forward_hook(
-                    eager(lambda _m, _a, output, g=group: state.hook_backward(g, output))
-                ))
-        else:  # a group of several blocks: gathered at its first block's forward, done after its last one's
-            handles.append(group.members[0].register_forward_pre_hook(
-                eager(lambda _m, args, kwargs, g=group: state.pre_forward(g, args, kwargs)), with_kwargs=True
-            ))
-            handles.append(group.members[-1].register_forward_hook(
-                eager(lambda _m, _a, output, g=group: state.post_forward(g, output))
-            ))
-        for dbuffer, name, param in group.unsharded_params():
-            if param.requires_grad:
-                state.hook_grad(dbuffer, name, param)
 
 
 def set_requires_gradient_sync(module: nn.Module, requires_gradient_sync: bool) -> None:

@@ -182,10 +182,15 @@ def _join_siblings(root: nn.Module, chosen: list[Members], k: int) -> list[Membe
 
 
 def group_name(members: Members) -> str:
-    """``blocks.0`` for one module, ``blocks.0-3`` for blocks 0 to 3 of one stack."""
-    if len(members) == 1:
-        return members[0][0]
-    return f"{members[0][0]}-{members[-1][0].rpartition('.')[2]}"
+    """``blocks.0`` for one module, ``blocks.0-3`` for blocks 0 to 3 of one stack, ``norm+output`` for others."""
+    names = [name for name, _ in members]
+    if len(names) == 1:
+        return names[0]
+    parents, indices = zip(*(name.rpartition(".")[::2] for name in names))
+    if len(set(parents)) == 1 and all(i.isdigit() for i in indices) and \
+            [int(i) for i in indices] == list(range(int(indices[0]), int(indices[0]) + len(names))):
+        return f"{names[0]}-{indices[-1]}"
+    return "+".join(names)
 
 
 def stack_blocks(root: nn.Module) -> list[tuple[str, nn.Module]]:

@@ -15,7 +15,7 @@ _SHARDED: WeakIdKeyDictionary = WeakIdKeyDictionary()
 """Every parameter some ``fully_shard`` call sharded, and where (a parameter is owned by one DBuffer)."""
 
 
-def refuse_sharded_twice(module: nn.Module, taken: set[int]) -> list[nn.Parameter]:
+def refuse_sharded_twice(module: nn.Module, taken: set[int], label: str) -> list[nn.Parameter]:
     """The parameters of ``module`` this call shards (all but those in ``taken``: adopted from earlier calls).
 
     Refuses one an earlier ``fully_shard`` call sharded: sharded twice, it would become two
@@ -27,7 +27,7 @@ def refuse_sharded_twice(module: nn.Module, taken: set[int]) -> list[nn.Paramete
         where = _SHARDED.get(param)
         if where is not None:
             raise ValueError(
-                f"parameter {names.get(id(param), '?')!r} of {type(module).__name__} is shared with a parameter "
+                f"parameter {names.get(id(param), '?')!r} of {label} is shared with a parameter "
                 f"already sharded by another fully_shard call ({where}); sharding it again would untie them. "
                 "Shard the modules that share it in one fully_shard call (their common parent: a tied parameter "
                 "then goes to the group that contains all its users), or untie it"
@@ -35,7 +35,7 @@ def refuse_sharded_twice(module: nn.Module, taken: set[int]) -> list[nn.Paramete
     return params
 
 
-def claim(module: nn.Module, params: list[nn.Parameter]) -> None:
-    """Record that the ``fully_shard`` call on ``module`` sharded ``params``."""
+def claim(label: str, params: list[nn.Parameter]) -> None:
+    """Record that the ``fully_shard`` call on ``label`` (a module's class, or a list of them) sharded ``params``."""
     for param in params:
-        _SHARDED[param] = f"the call on {type(module).__name__}"
+        _SHARDED[param] = f"the call on {label}"

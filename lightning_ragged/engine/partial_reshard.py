@@ -8,6 +8,8 @@ the gather's pending collective holds it until compute waited for it (``streams.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 
@@ -26,3 +28,27 @@ class PartialReshard:
         chunk = full.numel() // self.size
         index = dist.get_rank(self.group)
         return full[index * chunk : (index + 1) * chunk].clone()
+
+
+_GROUPS: dict[tuple[tuple[int, ...], int], dist.ProcessGroup] = {}
+
+
+def partial_group(process_group: dist.ProcessGroup | None, size: bool | int) -> dist.ProcessGroup | None:
+    """For ``reshard_after_forward=size``: this rank's group of ``size`` consecutive shard ranks.
+
+    ``new_group`` is collective over the world, so every rank learns every shard group's
+    ranks and creates all the subgroups in the same order (cached per layout).
+    """
+    world = dist.get_world_size(process_group)
+    if isinstance(size, bool) or size in (1, world):
+        return None
+    mine = tuple(dist.get_process_group_ranks(process_group or dist.group.WORLD))
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    for ranks in sorted(set(everyone)):
+        for start in range(0, len(ranks), size):
+            chunk = ranks[start : start + size]
+            if (chunk, size) not in _GROUPS:
+                _GROUPS[(chunk, size)] = dist.new_group(list(chunk))
+    position = mine.index(dist.get_rank())
+    return _GROUPS[(mine[position - position % size : position - position % size + size], size)]

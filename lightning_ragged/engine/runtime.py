@@ -50,6 +50,8 @@ class RaggedFSDPState:
 
     def __init__(self, root: nn.Module, groups: list[ShardGroup], stats: CommStats) -> None:
         self.root = root
+        self.called_on: list[nn.Module] = [root]
+        """The modules the ``fully_shard`` call was given (a list's, or the root); a parent call adopts from them."""
         self.all_groups = groups
         self.stats = stats
         self.requires_gradient_sync = True
@@ -160,6 +162,7 @@ class RaggedFSDPState:
         if self._in_backward:
             self.recover()
         for group in self.all_groups:
+            group.members_to_run.clear()  # a member that never ended its forward (it raised) starts nothing new
             if group.forward_calls:  # the last forward recorded a graph (or raised) but no backward ran
                 if group.reshard_after_backward:
                     group.reshard()

@@ -22,9 +22,9 @@ from lightning_ragged.engine.grouping import needs_params_in_backward
 class ShardGroup:
     """One group: DBuffers plus every (module, attribute) slot that holds one of its parameters.
 
-    ``module`` runs the group (its forward unshards it). A group of several consecutive
-    sibling blocks lists them in ``members`` (``module`` is the first): it unshards at the
-    first one's forward and is done with forward after the last one's. The root group of an automatic
+    ``module`` runs the group (its forward unshards it). A group of several modules (consecutive
+    blocks, or FSDP2's ``fully_shard([...])``) lists them in ``members`` (``module`` is the first):
+    it unshards when the first of them starts a forward and is done with forward after the last one ends. The root group of an automatic
     ``fully_shard`` has ``is_root`` set: it holds what no block holds (embeddings, head,
     tied weights) and is unsharded by any module that uses one of its parameters.
     """
@@ -54,13 +54,15 @@ class ShardGroup:
         self.forward_prefetch: list[ShardGroup] | None = None
         """Groups to all-gather when this one's forward starts (None: the recorded order)."""
         self.backward_prefetch: list[ShardGroup] | None = None
-        self.unshard_in_backward = is_root or len(self.members) > 1 or needs_params_in_backward(module)
+        self.unshard_in_backward = is_root or any(needs_params_in_backward(member) for member in self.members)
         """FSDP2's ``set_unshard_in_backward``; False (decided for an embedding's group): no backward re-gather."""
         self.mp_policy = None
         self.output_dtype: torch.dtype | None = None
         """The module's floating-point outputs cast to this dtype: ``mp_policy.output_dtype`` of the group whose
         module a ``fully_shard`` call was given (FSDP2 casts each sharded module's output; blocks grouped inside
         one call are not cast, their outputs feed the next block in the compute dtype)."""
+        self.members_to_run: set[int] = set()
+        """Of several members: those whose forward has not ended since the first of them started (``id``s)."""
         self.forward_calls = 0
         """Forward calls of this step with gradients enabled (a backward may follow)."""
         self.backward_nodes: list[weakref.ref] = []
@@ -68,6 +70,13 @@ class ShardGroup:
         self.backward_calls = 0
         """Calls the running backward still has to finish here: the nodes it will execute, counted as it starts."""
         self.backward_prepared = False
+
+    def adopt(self, name: str) -> None:
+        """A later ``fully_shard`` call on a parent took this group (FSDP2's order): a block of that model now, named
+        ``name``; a group that was its own call's root is re-gathered for backward only where its modules need it."""
+        if self.is_root:
+            self.unshard_in_backward = any(needs_params_in_backward(member) for member in self.members)
+        self.name, self.is_root = name, False
 
     @property
     def is_unsharded(self) -> bool:
@@ -162,3 +171,4 @@ class ShardGroup:
             dbuffer.reset()
         self.use_sharded()
         self.end_backward()
+        self.members_to_run.clear()

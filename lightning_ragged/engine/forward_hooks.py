@@ -1,0 +1,96 @@
+"""The forward hooks that run a sharded model's groups: all-gather before a group's modules run, reshard after.
+
+The root's hooks start and end a step; a block's run on each of its calls; a group of several modules
+(consecutive blocks, or FSDP2's ``fully_shard([...])``) is started by the first of them to run and
+ended by the last, as FSDP2's group hooks. Gradient hooks on the full parameters tell the runtime
+when a gradient is complete. What the hooks call is ``runtime.py``'s.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from lightning_ragged.engine.runtime import RaggedFSDPState, eager
+from lightning_ragged.engine.shard_group import ShardGroup
+
+
+def install_hooks(state: RaggedFSDPState) -> None:
+    """Forward hooks on the modules that trigger each group; gradient hooks on its trainable full parameters.
+
+    The root's pre-hook starts every step; the root group is also unsharded by any module
+    that uses one of its parameters (an embedding called on its own, a tied head).
+    """
+    root = state.root
+    root_group = next((g for g in state.all_groups if g.is_root), None)
+
+    def root_pre_hook(_module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        state.root_pre_forward()
+        if root_group is None:
+            return args, kwargs
+        return state.pre_forward(root_group, args, kwargs, cast=state.cast_root_inputs)
+
+    def root_post_hook(_module: nn.Module, _args: tuple, output: Any) -> Any:
+        try:
+            return state.post_forward(root_group, output) if root_group is not None else output
+        finally:
+            state.root_post_forward()
+
+    handles = state.handles
+    handles.append(root.register_forward_pre_hook(eager(root_pre_hook), with_kwargs=True))
+    handles.append(root.register_forward_hook(eager(root_post_hook), always_call=True))
+    for group in state.all_groups:
+        if group.is_root:
+            owners = {id(owner): owner for owner, *_ in group.slots if owner is not root}
+            for owner in owners.values():
+                handles.append(owner.register_forward_pre_hook(
+                    eager(lambda _m, args, kwargs, g=group: state.pre_forward(g, args, kwargs)), with_kwargs=True
+                ))
+                handles.append(owner.register_forward_hook(
+                    eager(lambda _m, _a, output, g=group: state.hook_backward(g, output))
+                ))
+        elif len(group.members) == 1:  # every call of a block gathers it and is done with it
+            handles.append(group.module.register_forward_pre_hook(
+                eager(lambda _m, args, kwargs, g=group: state.pre_forward(g, args, kwargs)), with_kwargs=True
+            ))
+            handles.append(group.module.register_forward_hook(
+                eager(lambda _m, _a, output, g=group: state.post_forward(g, output))
+            ))
+        else:
+            _hook_members(state, group)
+        for dbuffer, name, param in group.unsharded_params():
+            if param.requires_grad:
+                state.hook_grad(dbuffer, name, param)
+
+
+def _hook_members(state: RaggedFSDPState, group: ShardGroup) -> None:
+    """A group of several modules (blocks, or FSDP2's ``fully_shard([...])``), as FSDP2 runs one: gathered when the
+    first of them starts a forward, done with forward after the last of them ends one, whatever their order."""
+
+    def pre_hook(_module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if group.members_to_run:
+            return args, kwargs  # another member started this forward's use of the group
+        group.members_to_run = {id(member) for member in group.members}
+        return state.pre_forward(group, args, kwargs)
+
+    def post_hook(module: nn.Module, _args: tuple, output: Any) -> Any:
+        group.members_to_run.discard(id(module))
+        return output if group.members_to_run else state.post_forward(group, output)
+
+    for member in group.members:
+        state.handles.append(member.register_forward_pre_hook(eager(pre_hook), with_kwargs=True))
+        state.handles.append(member.register_forward_hook(eager(post_hook)))
+
+
+def refuse_forward_until_adopted(state: RaggedFSDPState, label: str) -> None:
+    """A list's group runs inside its model's state: until a call on the model adopts it, a forward is refused
+    (the hooks are removed by that adoption)."""
+
+    def refuse(_module: nn.Module, _args: tuple) -> None:
+        raise RuntimeError(
+            f"fully_shard({label}) made one group of these modules; it runs once the model that contains them is "
+            "sharded too: call lightning_ragged.fully_shard(model) after the blocks and lists (FSDP2's order)"
+        )
+
+    state.handles += [member.register_forward_pre_hook(refuse) for member in state.called_on]

@@ -5,6 +5,7 @@ from lightning_ragged.engine.api import fully_shard, get_state, no_sync, set_req
 from lightning_ragged.engine.state_dict import full_state_dict, load_full_state_dict
 from lightning_ragged.engine.fsdp_module import FSDPModule, register_fsdp_forward_method
 from lightning_ragged.engine.fp8_gather import Float8AllGather
+from lightning_ragged.engine.full_params import summon_full_params
 from lightning_ragged.engine.grad_clip import clip_grad_norm_, clip_grad_value_
 from lightning_ragged.engine.torch_state_dict import hook_optimizer
 from lightning_ragged.layout.planner import plan
@@ -36,6 +37,7 @@ __all__ = [
     "plan",
     "register_fsdp_forward_method",
     "set_requires_gradient_sync",
+    "summon_full_params",
 ]
 
 # Lightning is imported only when the strategy is used (it costs seconds per process):

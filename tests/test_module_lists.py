@@ -61,13 +61,10 @@ def _shard(model: ListModel, grouping: str, shard, **kwargs) -> None:
 GROUPINGS = ("torchtitan", "mem_eff", "tied")
 
 
-def check_lists_train_as_one_process(grouping: str) -> dict:
+def train_beside(model: nn.Module, reference: nn.Module) -> float:
+    """5 AdamW steps of the sharded ``model`` (each rank its part of the batch) and of ``reference`` on one process
+    (the global batch); the largest parameter difference after them."""
     data = make_batches(STEPS, BATCH)
-    torch.manual_seed(0)
-    reference = ListModel(tied=grouping == "tied")
-    torch.manual_seed(0)
-    model = ListModel(tied=grouping == "tied")
-    _shard(model, grouping, lr.fully_shard)
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (reference, model)]
     for step in range(STEPS):
         lm_loss(model, _local(data[step])).backward()
@@ -75,9 +72,19 @@ def check_lists_train_as_one_process(grouping: str) -> dict:
         for opt in opts:
             opt.step()
             opt.zero_grad()
+    return _max_diff(lr.full_state_dict(model), reference)
+
+
+def check_lists_train_as_one_process(grouping: str) -> dict:
+    torch.manual_seed(0)
+    reference = ListModel(tied=grouping == "tied")
+    torch.manual_seed(0)
+    model = ListModel(tied=grouping == "tied")
+    _shard(model, grouping, lr.fully_shard)
+    max_diff = train_beside(model, reference)
     state = lr.get_state(model)
     return {
-        "max_diff": _max_diff(lr.full_state_dict(model), reference),
+        "max_diff": max_diff,
         "groups": {g.name: [type(m)._ragged_original.__name__ for m in g.members] for g in state.all_groups if g.dbuffers},
         "one_group_each": all(
             len(m._ragged_own_groups()) == 1 and m._ragged_own_groups()[0] in state.all_groups

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import OffloadPolicy
 
@@ -34,6 +35,23 @@ def groups_of_mesh(
         f"mesh={mesh!r}: pass a 1-D DeviceMesh (shard over it) or a 2-D one (replicate over dim 0, shard over "
         "dim 1, as FSDP2's HSDP); for other parallelisms slice the data-parallel dimensions (mesh['dp'])"
     )
+
+
+def meta_shard_device(mesh: Any, process_group: dist.ProcessGroup | None) -> torch.device:
+    """Where the shards of a model built on the meta device go when ``device=`` is not given.
+
+    FSDP2 keeps such shards on the meta device until ``to_empty(device=...)``; here they get storage at
+    once (uninitialized, as after ``to_empty``), on the mesh's device type, else the backend's: CPU for
+    gloo, the current accelerator for the others. ``to_empty`` on that device then leaves them in place.
+    """
+    device_type = getattr(mesh, "device_type", None)
+    if device_type is None:
+        backends = {part.split(":")[-1] for part in dist.get_backend(process_group).split(",")}
+        accelerator = torch.accelerator.current_accelerator()
+        device_type = "cpu" if backends == {"gloo"} or accelerator is None else accelerator.type
+    if device_type == "cpu":
+        return torch.device("cpu")
+    return torch.device(device_type, torch.get_device_module(device_type).current_device())
 
 
 def check_reshard_after_forward(value: Any, world_size: int) -> bool | int:

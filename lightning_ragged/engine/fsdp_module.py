@@ -179,6 +179,9 @@ class FSDPModule:
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Any:
         # ``.to()``, ``.double()``, ``.half()``, ``.cuda()`` would give the module new tensors that
         # the DBuffers know nothing of: refuse a real move or cast instead of silently unlinking.
+        # ``to_empty(device=...)`` on the DBuffers' device (FSDP2's meta-device flow) leaves the parameters
+        # and their gradients in their DBuffers (they have storage: uninitialized is what it promises) and
+        # gives the other tensors (buffers) theirs.
         state = self._ragged_fsdp_state
         for dbuffer in state.dbuffers():
             probe = torch.empty(0, dtype=dbuffer.master_dtype, device=dbuffer.device)
@@ -191,7 +194,10 @@ class FSDPModule:
                     "fully_shard(..., device=...)), and use mp_policy=MixedPrecisionPolicy(param_dtype=...) "
                     "for a compute dtype"
                 )
-        return super()._apply(fn, recurse)
+        managed = {id(p) for b in state.dbuffers() for params in (b.sharded_params, b.unsharded_params)
+                   for p in params.values()}
+        managed |= {id(p.grad) for b in state.dbuffers() for p in b.sharded_params.values() if p.grad is not None}
+        return super()._apply(lambda tensor: tensor if id(tensor) in managed else fn(tensor), recurse)
 
 
 def _any(*_args: Any, **_kwargs: Any) -> bool:

@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_ragged.engine.full_params import close_full, open_full
 from lightning_ragged.engine.runtime import get_state
 from lightning_ragged.engine.init_replay import (
     InitEvent,
@@ -168,7 +169,7 @@ def materialize_meta_module(
         torch.manual_seed(seed)
         for index, event in enumerate(events):
             for group_id in [g for g, first in first_live.items() if first == index]:
-                live[group_id] = _open_group(by_id[group_id])
+                live[group_id] = open_full(by_id[group_id])
             report.peak_open_groups = max(report.peak_open_groups, len(live))
             report.peak_full_bytes = max(report.peak_full_bytes, sum(_group_bytes(by_id[g]) for g in live))
             for key in accessed[index]:
@@ -190,7 +191,7 @@ def materialize_meta_module(
             for key in [k for k, (_, last) in tied_span.items() if last == index]:
                 tied_scratch.pop(("tied", *key), None)
             for group_id in [g for g, last in last_live.items() if last == index]:
-                _close_group(by_id[group_id], live.pop(group_id))
+                close_full(by_id[group_id], live.pop(group_id))
     for group in groups:  # point every module back at its shards
         group.reshard()
     return report
@@ -301,26 +302,6 @@ def _materialize_buffers(module: nn.Module, device: torch.device) -> None:
         for attr, buffer in list(sub._buffers.items()):
             if buffer is not None and buffer.is_meta:
                 sub._buffers[attr] = torch.empty_like(buffer, device=device)
-
-
-def _open_group(group: ShardGroup) -> dict[tuple[int, str], torch.Tensor]:
-    """Allocate full master-dtype buffers for a group and point its module slots at full views."""
-    views: dict[tuple[int, str], torch.Tensor] = {}
-    for dbuffer in group.dbuffers:
-        full = torch.zeros(dbuffer.full_numel, dtype=dbuffer.master_dtype, device=dbuffer.device)
-        for name, param in dbuffer.unsharded_params.items():
-            views[(id(dbuffer), name)] = nn.Parameter(dbuffer.full_view(full, name), requires_grad=param.requires_grad)
-        views[(id(dbuffer), "")] = full
-    group.point_slots_at(lambda dbuffer, name: views[(id(dbuffer), name)])
-    return views
-
-
-def _close_group(group: ShardGroup, views: dict[tuple[int, str], torch.Tensor]) -> None:
-    """Keep this rank's segment of each full buffer, then drop the buffers."""
-    for dbuffer in group.dbuffers:
-        dbuffer.sharded.copy_(views[(id(dbuffer), "")][dbuffer.segment])
-    group.reshard()
-    views.clear()
 
 
 @contextmanager

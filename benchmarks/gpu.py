@@ -21,7 +21,10 @@ machine with at least one CUDA device; it plans to finish in under 8 minutes on 
     every weight gathered before training equals the oracle bit for bit and the parameters after
     training are within ``FP8_TOLERANCE``; ``fp32+hook`` (``set_all_reduce_hook`` on a stream of its own,
     a hook doubling and halving each reduced segment in place: exact) against one process at
-    ``PARITY_TOLERANCE``. A sanitizer report fails its case (its error is the
+    ``PARITY_TOLERANCE``; ``fp32+meta`` (FSDP2's meta-device flow: built on the meta device, sharded in FSDP2's
+    order with a list ``[ln_f, head]`` and a mesh but no ``device=``, ``to_empty``, the reference's weights
+    written inside ``summon_full_params``) against one process: the shards must land on the CUDA device, equal
+    the reference bitwise before training and within ``PARITY_TOLERANCE`` after it. A sanitizer report fails its case (its error is the
     verdict, with the sanitizer's first reports). The sanitizer sees a collective read its inputs and write
     the tensors it returns (the c10d ops return their outputs), on the stream it was issued on, so it checks
     the kernels around the collectives (casts, quantize, dequantize, the optimizer, gradients) and a read of
@@ -39,7 +42,9 @@ machine with at least one CUDA device; it plans to finish in under 8 minutes on 
     step time with the spread, ``torch.cuda.max_memory_allocated`` and ``max_memory_reserved`` over the
     timed steps.
 (c) **copies and collectives** of one forward+backward of each variant (and of the plain model):
-    bytes written by copy-like operators (``CopyCounter``) and collectives (``CommDebugMode``).
+    bytes written by copy-like operators (``CopyCounter``) and collectives (``CollectiveCounter``: what
+    ``CommDebugMode`` counts and point-to-point sends, without its module tracker, which fails on
+    transformers' hub-kernel layers).
 
 It writes the ``gpu`` section of ``benchmarks/RESULTS.md`` (``report.write_section``) and,
 with ``--out DIR``, ``gpu.md`` and ``gpu.json`` there, rewritten after every phase; every rank
@@ -85,7 +90,7 @@ PARITY_CASES = ("ragged/fp32/reduce_scatter", "ragged/fp32/all_reduce", "ragged/
                 "ragged/fp16/reduce_scatter", "fsdp2/fp16/-")
 """fp16: fp16 gathers and compute with torch's ShardedGradScaler (what ``precision="16-mixed"`` runs)."""
 SANITIZED_CASES = ("ragged/bf16+keep/reduce_scatter", "ragged/fp32+fp8/reduce_scatter",
-                   "ragged/fp32+hook/reduce_scatter")
+                   "ragged/fp32+hook/reduce_scatter", "ragged/fp32+meta/reduce_scatter")
 SANITIZED_STEPS = 3  # the sanitizer records a stack at each kernel: short, to stay inside the phase limit
 FP8_TOLERANCE = 1e-5  # as fp32 parity: the oracle quantizes the same masters, rounding order aside
 # TinyLlama-1.1B's shape: 1,100,048,384 parameters (untied head).
@@ -222,13 +227,18 @@ def _parity_case(
     policy = MixedPrecisionPolicy(param_dtype=half, reduce_dtype=torch.float32) if half is not None else None
     scaler = ShardedGradScaler(device.type) if precision == "fp16" else None
     knobs = {"bf16+keep": dict(keep_cast_shard=True), "fp32+fp8": dict(fp8_all_gather=lr.Float8AllGather(tile=tile))}
-    reference, model = make_gpt(cfg).to(device), make_gpt(cfg).to(device)
-    if variant == "ragged":
-        lr.fully_shard(model, mp_policy=policy, reduce_mode=mode, device=device, **knobs.get(precision, {}))
+    reference = make_gpt(cfg).to(device)
+    outcome: dict[str, Any] = {}
+    if precision == "fp32+meta":
+        model = _meta_flow(cfg, device, world, mode, reference, outcome)
     else:
-        for block in model.blocks:
-            fsdp2_shard(block, mp_policy=policy)
-        fsdp2_shard(model, mp_policy=policy)
+        model = make_gpt(cfg).to(device)
+        if variant == "ragged":
+            lr.fully_shard(model, mp_policy=policy, reduce_mode=mode, device=device, **knobs.get(precision, {}))
+        else:
+            for block in model.blocks:
+                fsdp2_shard(block, mp_policy=policy)
+            fsdp2_shard(model, mp_policy=policy)
     if precision == "fp32+hook":  # the hook's kernels on a stream of its own, between the reduction and its use
         stream = torch.Stream(device=device) if device.type == "cuda" else None
         for module in (m for m in model.modules() if isinstance(m, lr.FSDPModule)):
@@ -237,7 +247,6 @@ def _parity_case(
     if sharded_reference:
         lr.fully_shard(reference, mp_policy=policy, reduce_mode=mode, device=device)
     fp8_names = set()
-    outcome: dict[str, Any] = {}
     if precision == "fp32+fp8":
         fp8_names = {n for b in lr.get_state(model).dbuffers() if b.fp8_gather is not None for n in b.sharded_params}
         outcome["gathered_exact"] = _gathered_exact(model, reference, fp8_names, tile)
@@ -269,6 +278,28 @@ def _parity_case(
     expected = lr.full_state_dict(reference) if sharded_reference else reference.state_dict()
     outcome["max_diff"] = max((full[key].float() - expected[key].float()).abs().max().item() for key in expected)
     return outcome
+
+
+def _meta_flow(cfg: GPTConfig, device: torch.device, world: int, mode: str, reference: nn.Module,
+               outcome: dict) -> nn.Module:
+    """FSDP2's meta-device flow: built on meta, sharded in FSDP2's order (a list among the calls) over a mesh with
+    no ``device=``, ``to_empty``, then ``reference``'s weights written inside ``summon_full_params``."""
+    import lightning_ragged as lr
+    from torch.distributed.device_mesh import init_device_mesh
+
+    with torch.device("meta"):
+        model = make_gpt(cfg)
+    mesh = init_device_mesh(device.type, (world,))
+    for module in [*model.blocks, [model.ln_f, model.head], model]:
+        lr.fully_shard(module, mesh=mesh, reduce_mode=mode)
+    model.to_empty(device=device)
+    outcome["shard_device"] = str(next(model.parameters()).device)
+    with lr.summon_full_params(model), torch.no_grad():
+        for name, param in model.named_parameters():
+            param.copy_(reference.get_parameter(name))
+    initial = lr.full_state_dict(model)
+    outcome["init_exact"] = all(torch.equal(initial[key], value) for key, value in reference.state_dict().items())
+    return model
 
 
 @contextmanager
@@ -354,18 +385,17 @@ def _step(variant: str, model: nn.Module, optimizer: torch.optim.Optimizer, toke
 
 def _count(variant: str, model: nn.Module, optimizer: torch.optim.Optimizer, tokens: torch.Tensor) -> dict:
     """Copies and collectives of one forward+backward (after warm-up), and for ragged its engine counters."""
-    from torch.distributed.tensor.debug import CommDebugMode
-
+    from lightning_ragged.observability.collective_counter import CollectiveCounter
     from lightning_ragged.observability.copy_counter import CopyCounter
 
     optimizer.zero_grad(set_to_none=True)
-    with CommDebugMode() as comm, CopyCounter() as copies:
+    with CollectiveCounter() as comm, CopyCounter() as copies:
         _forward_backward(variant, model, tokens)
     result = {
         "copy_bytes": copies.total_bytes,
         "copy_by_op": dict(copies.by_op),
-        "collectives": comm.get_total_counts(),
-        "collectives_by_op": {str(op): n for op, n in comm.get_comm_counts().items()},
+        "collectives": comm.total,
+        "collectives_by_op": dict(comm.by_op),
     }
     optimizer.zero_grad(set_to_none=True)
     if variant == "ragged":
@@ -508,8 +538,8 @@ def run(args: argparse.Namespace, progress: Callable[[dict], None] = lambda resu
         parity_run(2, "nccl", "two GPUs")
     elif parity_run(2, "nccl", "two ranks on one GPU", limit_s=min(45.0, args.phase_limit_s)) is not None:
         parity_run(2, "gloo", "NCCL refused two ranks on one GPU: gloo on CUDA tensors")
-    sanitized = ("(a') keep_cast_shard, fp8, hook stream: no sanitizer on CPU" if dry
-                 else "(a') keep_cast_shard, fp8, hook stream under TORCH_CUDA_SANITIZER=1")
+    sanitized = ("(a') keep_cast_shard, fp8, hook stream, meta flow: no sanitizer on CPU" if dry
+                 else "(a') keep_cast_shard, fp8, hook stream, meta flow under TORCH_CUDA_SANITIZER=1")
     parity_run(2, result["parity"][-1]["backend"], sanitized, cases=SANITIZED_CASES, steps=SANITIZED_STEPS,
                deterministic=True,
                env={} if dry else {"TORCH_CUDA_SANITIZER": "1", "CUBLAS_WORKSPACE_CONFIG": ":4096:8"})
@@ -552,6 +582,10 @@ def _verdict(case: str, outcome: dict, cases: dict) -> str:
     ragged bf16 / fp16: its distance as a multiple of FSDP2's on the same run."""
     if "/fp32/" in case or "/fp32+hook/" in case:
         return "pass" if outcome["max_diff"] <= PARITY_TOLERANCE else "FAIL"
+    if "/fp32+meta/" in case:
+        passed = outcome["init_exact"] and outcome["max_diff"] <= PARITY_TOLERANCE
+        return ("pass" if passed else "FAIL") + f" (initialized bitwise: {outcome['init_exact']}, shards on " \
+            f"{outcome['shard_device']})"
     if "/bf16+keep/" in case:
         return "pass (bitwise)" if outcome["max_diff"] == 0 else "FAIL (not bitwise)"
     if "/fp32+fp8/" in case:
@@ -570,7 +604,9 @@ def _parity_lines(parity: list[dict]) -> list[str]:
         f"(benchmark GPT; fp32 without TF32 passes at <= {PARITY_TOLERANCE:g}; bf16 and fp16 (ShardedGradScaler) "
         f"against the fp32 reference); "
         f"(a') {SANITIZED_STEPS} steps: bf16+keep against keep_cast_shard off, fp32+fp8 against fake-quantized weights, "
-        "fp32+hook (an all-reduce hook on its own stream) against one process",
+        "fp32+hook (an all-reduce hook on its own stream) against one process, fp32+meta (built on the meta "
+        "device, FSDP2's calls with a list, to_empty, the reference's weights written inside summon_full_params) "
+        "against one process",
         "",
         "| world | backend | why | case | max abs difference | |",
         "|---:|---|---|---|---:|---|",
@@ -625,7 +661,7 @@ def _bench_lines(bench: dict, payload: dict) -> list[str]:
     lines += [
         "",
         "### (c) One forward+backward: bytes written by copy-like operators (`CopyCounter`), "
-        "collectives as `CommDebugMode` sees them",
+        "collectives as `CollectiveCounter` sees them (`CommDebugMode`'s ops and point-to-point sends)",
         "",
         "| variant | copy bytes | collectives | by operator |",
         "|---|---:|---:|---|",

@@ -12,9 +12,10 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.distributed.tensor.debug import CommDebugMode
 
 import lightning_ragged as lr
+from lightning_ragged.observability.collective_counter import CollectiveCounter
 from tests.models import SEQ, VOCAB, WIDTH, TinyBlock, lm_loss, make_batches
 from tests.test_fully_shard import BATCH, STEPS, _local, _max_diff
 
@@ -85,6 +86,7 @@ def check_lists_train_as_one_process(grouping: str) -> dict:
     state = lr.get_state(model)
     return {
         "max_diff": max_diff,
+        "state_dict_keys": sorted(model.state_dict()) == sorted(reference.state_dict()),
         "groups": {g.name: [type(m)._ragged_original.__name__ for m in g.members] for g in state.all_groups if g.dbuffers},
         "one_group_each": all(
             len(m._ragged_own_groups()) == 1 and m._ragged_own_groups()[0] in state.all_groups
@@ -112,28 +114,25 @@ def test_lists_train_as_one_process(dist_pool, world_size, grouping):
         assert result["max_diff"] <= 1e-5, result
         assert result["groups"] == expected  # one group per call, the model's own call holding what is left
         assert result["one_group_each"] and result["fsdp_modules"] and result["members_settled"]
+        assert result["state_dict_keys"]
 
 
-class _AllGathers(TorchDispatchMode):
-    """Counts the all-gathers the process group receives (c10d's ops, whichever framework issues them)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = str(func)
-        self.count += name.startswith("c10d.") and "allgather" in name.replace("_", "")
-        return func(*args, **(kwargs or {}))
+POINT_TO_POINT = ("c10d.send", "c10d.recv_")
+"""Our pairwise reduction's sends and receives: counted by ``CollectiveCounter``, not by ``CommDebugMode``."""
 
 
-def _step_with_counts(model: nn.Module, tokens: torch.Tensor) -> tuple[float, int]:
-    with _AllGathers() as gathers:
+def _step_with_counts(model: nn.Module, tokens: torch.Tensor) -> tuple[float, int, bool]:
+    """The step's loss (mean over ranks), its all-gathers, and whether our counter agrees with torch's
+    ``CommDebugMode`` on every collective (it can here: no forward of this model is replaced)."""
+    with CollectiveCounter() as counted, CommDebugMode() as torch_counted:
         loss = lm_loss(model, tokens)
         loss.backward()
     total = loss.detach().clone()
     dist.all_reduce(total)
-    return total.item() / dist.get_world_size(), gathers.count
+    collectives = {op: n for op, n in counted.by_op.items() if op not in POINT_TO_POINT}  # CommDebugMode skips these
+    agrees = collectives == {str(op): n for op, n in torch_counted.get_comm_counts().items() if n}
+    gathers = sum(n for op, n in counted.by_op.items() if "allgather" in op.replace("_", ""))
+    return total.item() / dist.get_world_size(), gathers, agrees
 
 
 def check_lists_as_fsdp2(grouping: str) -> dict:
@@ -164,7 +163,8 @@ def check_lists_as_fsdp2(grouping: str) -> dict:
 @pytest.mark.parametrize("grouping", GROUPINGS)
 def test_lists_match_fsdp2_losses_and_all_gathers(dist_pool, grouping):
     for result in dist_pool(2).run(check_lists_as_fsdp2, grouping):
-        for (ours, ours_gathers), (theirs, their_gathers) in zip(result["ragged"], result["fsdp2"]):
+        for (ours, ours_gathers, agrees), (theirs, their_gathers, their_agrees) in zip(result["ragged"], result["fsdp2"]):
+            assert agrees and their_agrees, result  # CollectiveCounter counts what CommDebugMode counts
             assert abs(ours - theirs) <= 1e-5 * abs(theirs), result
             assert ours_gathers == their_gathers + result["extra"], result  # the root: once a step
 

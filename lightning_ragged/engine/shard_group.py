@@ -24,9 +24,9 @@ class ShardGroup:
 
     ``module`` runs the group (its forward unshards it). A group of several modules (consecutive
     blocks, or FSDP2's ``fully_shard([...])``) lists them in ``members`` (``module`` is the first):
-    it unshards when the first of them starts a forward and is done with forward after the last one ends. The root group of an automatic
-    ``fully_shard`` has ``is_root`` set: it holds what no block holds (embeddings, head,
-    tied weights) and is unsharded by any module that uses one of its parameters.
+    it unshards when the first of them starts a forward and is done with forward after the last one
+    ends. The root group of an automatic ``fully_shard`` has ``is_root`` set: it holds what no block
+    holds (embeddings, head, tied weights) and is unsharded by any module that uses one of its parameters.
     """
 
     def __init__(
@@ -54,7 +54,7 @@ class ShardGroup:
         self.forward_prefetch: list[ShardGroup] | None = None
         """Groups to all-gather when this one's forward starts (None: the recorded order)."""
         self.backward_prefetch: list[ShardGroup] | None = None
-        self.unshard_in_backward = is_root or any(needs_params_in_backward(member) for member in self.members)
+        self.unshard_in_backward = is_root or self._members_read_params_in_backward()
         """FSDP2's ``set_unshard_in_backward``; False (decided for an embedding's group): no backward re-gather."""
         self.mp_policy = None
         self.output_dtype: torch.dtype | None = None
@@ -75,8 +75,11 @@ class ShardGroup:
         """A later ``fully_shard`` call on a parent took this group (FSDP2's order): a block of that model now, named
         ``name``; a group that was its own call's root is re-gathered for backward only where its modules need it."""
         if self.is_root:
-            self.unshard_in_backward = any(needs_params_in_backward(member) for member in self.members)
+            self.unshard_in_backward = self._members_read_params_in_backward()
         self.name, self.is_root = name, False
+
+    def _members_read_params_in_backward(self) -> bool:
+        return any(needs_params_in_backward(member) for member in self.members)
 
     @property
     def is_unsharded(self) -> bool:

@@ -9,6 +9,8 @@ and one-process training.
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from torch import nn
@@ -52,7 +54,9 @@ def check_meta_flow() -> dict:
         lr.fully_shard(layer)
     lr.fully_shard([model.norm, model.output])
     lr.fully_shard(model)
-    model.to_empty(device="cpu")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.to_empty(device="cpu")
     linked = _storages_linked(model)
     torch.manual_seed(7)
     for module in [model.tok_embeddings, model.pos_embeddings, *model.layers, model.norm, model.output]:
@@ -60,13 +64,14 @@ def check_meta_flow() -> dict:
             init_weights(module)
     init_diff = _max_diff(lr.full_state_dict(model), reference)
     return {"linked": linked, "init_diff": init_diff, "train_diff": train_beside(model, reference),
-            "device": str(next(model.parameters()).device)}
+            "device": str(next(model.parameters()).device), "warned": [str(w.message) for w in caught]}
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_meta_flow_initializes_as_eager_and_trains_as_one_process(dist_pool, world_size):
     for result in dist_pool(world_size).run(check_meta_flow):
         assert result["linked"] and result["device"] == "cpu"
+        assert len(result["warned"]) == 1 and "summon_full_params" in result["warned"][0]  # once, by the root
         assert result["init_diff"] == 0.0, result  # the same draws into the same whole tensors
         assert result["train_diff"] <= 1e-5, result
 
@@ -78,13 +83,18 @@ def check_to_empty_keeps_shards() -> dict:
     reference = ListModel()
     torch.manual_seed(0)
     model = lr.fully_shard(ListModel())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.to("cpu")  # its own device: nothing new, nothing to warn of
+        model.float()
     model.to_empty(device="cpu")
     try:
         model.to_empty(device="meta")
         refused = ""
     except RuntimeError as error:
         refused = str(error)
-    return {"linked": _storages_linked(model), "train_diff": train_beside(model, reference), "refused": refused}
+    return {"linked": _storages_linked(model), "train_diff": train_beside(model, reference), "refused": refused,
+            "warned_on_to": len(caught)}
 
 
 def test_to_empty_keeps_the_parameters_in_their_dbuffers(dist_pool):
@@ -92,6 +102,7 @@ def test_to_empty_keeps_the_parameters_in_their_dbuffers(dist_pool):
         assert result["linked"]
         assert result["train_diff"] <= 1e-5, result  # unlinked, the DBuffers' zeros trained instead
         assert "would unlink its parameters from their DBuffers" in result["refused"]
+        assert result["warned_on_to"] == 0
 
 
 def check_summon_semantics() -> dict:

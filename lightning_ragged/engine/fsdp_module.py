@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import warnings
 from typing import Any, Callable, Iterable
 
 import torch
@@ -183,9 +184,11 @@ class FSDPModule:
         # and their gradients in their DBuffers (they have storage: uninitialized is what it promises) and
         # gives the other tensors (buffers) theirs.
         state = self._ragged_fsdp_state
+        renewed = False
         for dbuffer in state.dbuffers():
             probe = torch.empty(0, dtype=dbuffer.master_dtype, device=dbuffer.device)
             moved = fn(probe)
+            renewed |= moved is not probe
             if moved.dtype != probe.dtype or moved.device != probe.device:
                 raise RuntimeError(
                     f"{type(self).__name__} is sharded by lightning_ragged.fully_shard: moving or casting it "
@@ -194,10 +197,20 @@ class FSDPModule:
                     "fully_shard(..., device=...)), and use mp_policy=MixedPrecisionPolicy(param_dtype=...) "
                     "for a compute dtype"
                 )
+        if renewed and state.root is self:
+            warnings.warn(TO_EMPTY_WARNING, stacklevel=3)
         managed = {id(p) for b in state.dbuffers() for params in (b.sharded_params, b.unsharded_params)
                    for p in params.values()}
         managed |= {id(p.grad) for b in state.dbuffers() for p in b.sharded_params.values() if p.grad is not None}
         return super()._apply(lambda tensor: tensor if id(tensor) in managed else fn(tensor), recurse)
+
+
+TO_EMPTY_WARNING = (
+    "to_empty kept the parameters of this sharded model in their DBuffers, uninitialized: initialize them inside "
+    "lightning_ragged.summon_full_params(module) (whole tensors, the same on every rank under one seed), or load a "
+    "checkpoint. An initializer run on the 1-D shards draws each rank's own numbers, not its slice of one tensor"
+)
+"""Warned when a sharded model (its root module) is given new tensors of the DBuffers' own dtype and device."""
 
 
 def _any(*_args: Any, **_kwargs: Any) -> bool:

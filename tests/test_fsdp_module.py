@@ -399,7 +399,12 @@ def check_refuses_to_move_or_cast() -> dict:
         model.blocks[0].to(torch.bfloat16)
     model.to("cpu").float()  # no move, no cast: allowed
     lm_loss(model, _local(make_batches(1, BATCH)[0])).backward()
-    return {"dtype": str(next(model.parameters()).dtype)}
+    dtype = str(next(model.parameters()).dtype)
+    model.norm.double()  # a plain submodule has no guard of its own: its shard leaves the DBuffer
+    with pytest.raises(RuntimeError, match=r"parameter 'norm.weight' was moved or cast after fully_shard \(it is "
+                                           r"torch.float64.*holds torch.float32.*before fully_shard"):
+        lm_loss(model, _local(make_batches(1, BATCH)[0]))
+    return {"dtype": dtype}
 
 
 def test_to_after_sharding_is_refused(dist_pool):

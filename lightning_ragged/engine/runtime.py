@@ -162,6 +162,7 @@ class RaggedFSDPState:
         if self._in_backward:
             self.recover()
         for group in self.all_groups:
+            group.check_linked()
             group.members_to_run.clear()  # left pending by a forward that raised between its members' hooks
             if group.forward_calls:  # the last forward recorded a graph (or raised) but no backward ran
                 if group.reshard_after_backward:

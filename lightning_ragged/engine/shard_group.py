@@ -95,6 +95,24 @@ class ShardGroup:
             for name, param in dbuffer.unsharded_params.items():
                 yield dbuffer, name, param
 
+    def check_linked(self) -> None:
+        """Refuse a step on parameters a move or cast of a plain submodule (``model.head.half()``) took out of
+        their DBuffers (only the sharded modules refuse it at the call): the step would compute with the
+        DBuffer's values and fail, or train a copy the collectives never see."""
+        for dbuffer in self.dbuffers:
+            for params, buffer in ((dbuffer.sharded_params, dbuffer.sharded), (dbuffer.unsharded_params,
+                                                                                dbuffer.unsharded)):
+                home = buffer.untyped_storage()._cdata
+                for name, param in params.items():
+                    if param.dtype != buffer.dtype or param.untyped_storage()._cdata != home:
+                        raise RuntimeError(
+                            f"parameter '{name}' was moved or cast after fully_shard (it is {param.dtype} on "
+                            f"{param.device}; its DBuffer holds {buffer.dtype} on {buffer.device}): a .to(), "
+                            ".half() or .cuda() of a submodule of a sharded model unlinks its parameters from their "
+                            "DBuffers. Move/cast the model before fully_shard (or pass fully_shard(..., device=...)), "
+                            "and use mp_policy=MixedPrecisionPolicy(param_dtype=...) for a compute dtype"
+                        )
+
     # ------------------------------------------------------------ parameters
     def unshard(self, async_op: bool = False) -> None:
         for dbuffer in self.dbuffers:

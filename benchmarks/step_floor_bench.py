@@ -1,13 +1,14 @@
 """Where the fp32 step goes on gloo: each framework's time over a run with no communication at all.
 
 ``python benchmarks/step_floor_bench.py`` (~3 min) times, on ``memory_bench``'s model and step (the
-20.5M GPT, 4 sequences per rank, AdamW, fp32, one thread per rank), six variants side by side
+20.5M GPT, 4 sequences per rank, AdamW, fp32, one thread per rank), seven variants side by side
 in one process tree per world size (W=2 and W=4), alternating their order every round:
 
 - ``plain``: every rank trains its own unwrapped model (no collective; AdamW over all parameters):
   DDP's computation without its communication;
-- DDP; lightning_ragged ``fully_shard`` defaults (gloo: ``reduce_mode="pairwise"``); the same
-  with the in-place all-reduce (the default before), and with ``reshard_after_forward=False`` (one
+- DDP; lightning_ragged ``fully_shard`` defaults (gloo: ``reduce_mode="pairwise"``,
+  ``gather_mode="pairwise"``); the same with the in-place all-reduce, with gloo's own (ring) all-gather
+  (``gather_mode="all_gather"``, the default before), and with ``reshard_after_forward=False`` (one
   all-gather per group and step instead of two); FSDP2 (blocks, then the root).
 
 Beside the times it counts what each sends per rank and step through gloo (a ring model of every
@@ -43,6 +44,7 @@ VARIANTS = {
     "ddp": "DDP",
     "ragged": "lightning_ragged `fully_shard` defaults",
     "ragged-allreduce": "lightning_ragged, `reduce_mode=\"all_reduce\"`",
+    "ragged-ring": "lightning_ragged, `gather_mode=\"all_gather\"` (gloo's ring all-gather)",
     "ragged-keep": "lightning_ragged, `reshard_after_forward=False`",
     "fsdp2": "FSDP2 `fully_shard` (blocks, root)",
 }
@@ -56,7 +58,8 @@ def build(name: str) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     if name.startswith("ragged-"):
         import lightning_ragged
 
-        knob = {"ragged-keep": {"reshard_after_forward": False}, "ragged-allreduce": {"reduce_mode": "all_reduce"}}
+        knob = {"ragged-keep": {"reshard_after_forward": False}, "ragged-allreduce": {"reduce_mode": "all_reduce"},
+                "ragged-ring": {"gather_mode": "all_gather"}}
         lightning_ragged.fully_shard(model, **knob[name])
     return model, torch.optim.AdamW(model.parameters(), lr=memory_bench.LR)
 
@@ -80,7 +83,7 @@ class WireBytes(TorchDispatchMode):
             size = max((t.numel() * t.element_size() for t in tensors), default=0)
             kind = name.removeprefix("c10d.").strip("_")
             factor = (share if "allgather" in kind else 2 * share if "allreduce" in kind or "reduce_scatter" in kind
-                      else 1 if kind == "send" else 0)  # a send: its tensor (reduce_mode="pairwise")
+                      else 1 if kind == "send" else 0)  # a send: its tensor (the "pairwise" modes)
             self.sent[kind] = self.sent.get(kind, 0.0) + factor * size
         return func(*args, **(kwargs or {}))
 
@@ -201,13 +204,17 @@ def section(results: list[dict[str, Any]], opts: dict[str, Any]) -> str:
         "Reading it: on gloo every byte a collective moves is CPU work (copies through loopback TCP) on the same "
         "cores the compute runs on. DDP sends its gradients once: one all-reduce, 2(W-1)/W x the parameters. "
         "Sharding adds the forward's all-gather and the backward's re-gather ((W-1)/W x the parameters each; the "
-        "root group is gathered once) and runs AdamW on 1/W of the parameters. For the reduction, lightning_ragged "
-        "on gloo sends each peer its segment ((W-1)/W x the parameters, `reduce_mode=\"pairwise\"`; the few "
-        "bytes of all-reduce are the used-gradient flags); the in-place all-reduce and gloo's reduce-scatter "
-        "(FSDP2's; an all-reduce plus copies) send twice that. Bytes over DDP's: lightning_ragged defaults "
+        "root group is gathered once) and runs AdamW on 1/W of the parameters. On gloo lightning_ragged sends "
+        "point to point, to every peer at once: for the reduction each peer its segment ((W-1)/W x the "
+        "parameters, `reduce_mode=\"pairwise\"`; the few bytes of all-reduce are the used-gradient flags), for "
+        "an all-gather its own segment to each peer (`gather_mode=\"pairwise\"`: the bytes of gloo's ring "
+        "all-gather, whose W-1 steps run one after another); the in-place all-reduce and gloo's reduce-scatter "
+        "(FSDP2's; an all-reduce plus copies) send twice the reduction's bytes. Bytes over DDP's: lightning_ragged defaults "
         f"{ratio('ragged')}, with the all-reduce {ratio('ragged-allreduce')}, with `reshard_after_forward=False` "
         f"{ratio('ragged-keep')}, FSDP2 {ratio('fsdp2')}. The pairwise reduction against the all-reduce, same "
-        f"rounds: {paired('ragged', 'ragged-allreduce', False)} per step. At DDP's own bytes "
+        f"rounds: {paired('ragged', 'ragged-allreduce', False)} per step; the pairwise all-gather against gloo's, "
+        f"same bytes: {paired('ragged', 'ragged-ring', False)} per step ({paired('ragged', 'ragged-ring', True)}). "
+        "At DDP's own bytes "
         f"(`reshard_after_forward=False`) the sharded step is {paired('ragged-keep', 'ddp', True)} DDP's"
         + (" although it runs AdamW on 1/W of the parameters: the rest is not bytes (we attribute it to the "
            "all-gathers nothing overlaps, the first group's at the forward's start, and to the engine's hooks; "

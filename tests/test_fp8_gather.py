@@ -345,7 +345,9 @@ def check_signatures() -> dict:
     from lightning_ragged.observability import flight_recorder
     from lightning_ragged.observability.metrics import EngineMetrics
 
-    model = lr.fully_shard(make_model(), fp8_all_gather=lr.Float8AllGather(tile=4), mp_policy=BF16)
+    # the flight recorder is NCCL's: the backend's all-gathers it records (gloo's CPU default sends point to point)
+    model = lr.fully_shard(make_model(), fp8_all_gather=lr.Float8AllGather(tile=4), mp_policy=BF16,
+                           gather_mode="all_gather")
     metrics = EngineMetrics(model)
     items = [(info.label, info.dbuffer) for probe in metrics.probes for info in probe.dbuffers]
     signatures = flight_recorder.collective_signatures(items)

@@ -47,7 +47,8 @@ def check_partial_gathers_named() -> dict:
     """Every all-gather a step issues with ``reshard_after_forward=2``, looked up in the flight recorder's names."""
     from lightning_ragged.observability import flight_recorder
 
-    model = lr.fully_shard(make_model(), reshard_after_forward=2)
+    # the flight recorder is NCCL's: the backend's all-gathers it records (gloo's CPU default sends point to point)
+    model = lr.fully_shard(make_model(), reshard_after_forward=2, gather_mode="all_gather")
     signatures = flight_recorder.collective_signatures((repr(i), b) for i, b in enumerate(lr.get_state(model).dbuffers()))
     with _IssuedCollectives() as issued:
         lm_loss(model, _local(make_batches(1, BATCH)[0])).backward()

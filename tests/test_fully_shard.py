@@ -303,14 +303,19 @@ def check_copy_bytes_vs_fsdp2() -> dict:
 
     batches = make_batches(3, BATCH)
     baseline = _step_copy_bytes(make_model(), _local(batches[0]))
-    ragged = lr.fully_shard(make_model(), shard_granularity="row")
+    ragged = lr.fully_shard(make_model(), shard_granularity="row")  # gloo: the pairwise all-gather
+    ring = lr.fully_shard(make_model(), shard_granularity="row", gather_mode="all_gather")
     fsdp2 = make_model()
     for block in fsdp2.blocks:
         fsdp2_fully_shard(block)
     fsdp2_fully_shard(fsdp2)
-    result = {"baseline": baseline, "ragged": [], "fsdp2": []}
+    result = {"baseline": baseline, "ragged": [], "ring": [], "fsdp2": [], "own_segments": []}
     for batch in batches[1:]:  # after a warm-up step
+        stats = lr.get_state(ragged).stats
+        stats.reset()
         result["ragged"].append(_step_copy_bytes(ragged, _local(batch)) - baseline)
+        result["own_segments"].append(stats.all_gather_bytes // dist.get_world_size())  # one per gather, fp32
+        result["ring"].append(_step_copy_bytes(ring, _local(batch)) - baseline)
         result["fsdp2"].append(_step_copy_bytes(fsdp2, _local(batch)) - baseline)
     result["param_bytes"] = sum(p.numel() * p.element_size() for p in make_model().parameters())
     return result
@@ -319,9 +324,11 @@ def check_copy_bytes_vs_fsdp2() -> dict:
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_copy_bytes_are_a_small_fraction_of_fsdp2(dist_pool, world_size):
     for result in dist_pool(world_size).run(check_copy_bytes_vs_fsdp2):
-        ragged, fsdp2 = result["ragged"][-1], result["fsdp2"][-1]
+        ragged, ring, fsdp2 = result["ragged"][-1], result["ring"][-1], result["fsdp2"][-1]
         assert fsdp2 >= result["param_bytes"], result  # FSDP2 copies at least P per step (sanity of the counter)
-        assert ragged <= 0.10 * fsdp2, result
+        assert ring <= 0.10 * fsdp2, result  # gloo's all-gather copies this rank's segment inside, unseen
+        # the pairwise all-gather makes that copy itself (this rank's segment into its slot), and nothing else
+        assert ragged - ring == result["own_segments"][-1] > 0, result
 
 
 def check_collectives_per_step() -> dict:

@@ -110,6 +110,7 @@ BAD = [
     ("precision", "bf16-mixed", TypeError, "L.Trainer(precision='bf16-mixed')"),
     ("frobnicate", 1, TypeError, "go to lightning_ragged.fully_shard, which takes"),
     ("reduce_mode", "allreduce", ValueError, "did you mean 'all_reduce'?"),
+    ("gather_mode", "allgather", ValueError, "did you mean 'all_gather'?"),
     ("alignment", 0, ValueError, "alignment=16 or None"),
     ("alignment", 16.0, TypeError, "alignment=16 or None"),
     ("max_inflight_all_gathers", -1, ValueError, "max_inflight_all_gathers=1"),
@@ -148,7 +149,7 @@ def test_every_knob_has_a_check_and_kwargs_are_fully_shards() -> None:
     assert set(KNOB_CHECKS) == {p.name for p in parameters if p.kind is inspect.Parameter.KEYWORD_ONLY}
     engine = set(inspect.signature(fully_shard).parameters)
     assert set(engine_kwarg_names()) == engine - set(SET_BY_STRATEGY) - set(KNOB_CHECKS) == {
-        "reduce_mode", "alignment", "keep_last_unsharded", "max_inflight_all_gathers", "keep_cast_shard",
+        "reduce_mode", "gather_mode", "alignment", "keep_last_unsharded", "max_inflight_all_gathers", "keep_cast_shard",
         "blocks_per_group", "planning", "memory_budget_bytes", "fp8_all_gather",
     }
     assert set(SET_BY_STRATEGY) <= engine
@@ -190,6 +191,8 @@ GOOD = [
     {"timeout": None},
     {"reduce_mode": "reduce_scatter", "alignment": 16},
     {"reduce_mode": None, "alignment": None},
+    {"gather_mode": "all_gather"},
+    {"gather_mode": "pairwise", "reduce_mode": "pairwise"},
     {"keep_last_unsharded": True, "max_inflight_all_gathers": 2},
     {"blocks_per_group": 2},
     {"planning": "auto", "memory_budget_bytes": 80 * 10**9},
@@ -208,7 +211,7 @@ def test_defaults_and_documented_alternatives_construct(kwargs) -> None:
         pytest.skip("zstandard is not installed")
     strategy = _strategy(**kwargs)
     for knob, value in kwargs.items():
-        if knob in ("reduce_mode", "alignment", "keep_last_unsharded", "max_inflight_all_gathers", "blocks_per_group",
+        if knob in ("reduce_mode", "gather_mode", "alignment", "keep_last_unsharded", "max_inflight_all_gathers", "blocks_per_group",
                     "planning", "memory_budget_bytes"):
             assert strategy._engine_kwargs[knob] == value
         elif knob == "timeout":

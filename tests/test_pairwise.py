@@ -1,7 +1,8 @@
-"""``reduce_mode="pairwise"`` (gloo's default): the reduce-scatter built from point-to-point sends.
+"""``reduce_mode="pairwise"`` and ``gather_mode="pairwise"`` (gloo's defaults): the reduce-scatter and the
+all-gather built from point-to-point sends.
 
-Oracles: DDP's averaged gradients (each rank's sharded gradient is their slice), the two
-collective modes on the same model and batch, and the bytes counted on the c10d ops it issues.
+Oracles: DDP's averaged gradients (each rank's sharded gradient is their slice), the backend's
+collectives on the same model and batch, and the bytes counted on the c10d ops it issues.
 """
 
 from __future__ import annotations
@@ -13,8 +14,8 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import lightning_ragged as lr
-from lightning_ragged.engine.collectives import resolve_reduce_mode
-from lightning_ragged.engine.pairwise import PairwiseReduce
+from lightning_ragged.engine.collectives import resolve_gather_mode, resolve_reduce_mode
+from lightning_ragged.engine.pairwise import PairwiseGather, PairwiseReduce
 from tests.models import lm_loss, make_batches, make_model
 from tests.test_fully_shard import BATCH, _local
 
@@ -45,7 +46,8 @@ def check_modes_vs_ddp() -> dict:
     result: dict = {"diff": {}, "sent": {}, "modes": {}, "grads": {}}
     for mode in MODES:
         kwargs = {} if mode == "pairwise" else {"reduce_mode": mode}  # pairwise: the default on gloo
-        model = lr.fully_shard(make_model(), shard_granularity="row", **kwargs)
+        # the backend's all-gather: every point-to-point byte counted below is the reduction's
+        model = lr.fully_shard(make_model(), shard_granularity="row", gather_mode="all_gather", **kwargs)
         state = lr.get_state(model)
         with _IssuedBytes() as issued:
             lm_loss(model, tokens).backward()
@@ -81,8 +83,12 @@ def test_pairwise_reduction_matches_ddp_and_sends_half_an_all_reduce(dist_pool, 
 
 
 def test_pairwise_is_refused_off_the_cpu_and_unknown_modes_are_named():
-    with pytest.raises(ValueError, match=r"reduce_mode='pairwise' reduces CPU tensors \(gloo\) only.*'reduce_scatter'"):
+    with pytest.raises(ValueError, match=r"reduce_mode='pairwise' is for CPU tensors \(gloo\) only.*'reduce_scatter'"):
         resolve_reduce_mode("pairwise", None, torch.device("cuda"))
+    with pytest.raises(ValueError, match=r"gather_mode='pairwise' is for CPU tensors \(gloo\) only.*'all_gather'"):
+        resolve_gather_mode("pairwise", None, torch.device("cuda"))
+    with pytest.raises(ValueError, match=r"gather_mode='ring' is not supported; use one of \('all_gather'"):
+        resolve_gather_mode("ring", None, torch.device("cpu"))
     with pytest.raises(ValueError, match=r"reduce_mode='ring' is not supported; use one of \('all_reduce'"):
         resolve_reduce_mode("ring", None, torch.device("cpu"))
     assert resolve_reduce_mode("all_reduce", None, torch.device("cuda")) == "all_reduce"
@@ -102,7 +108,9 @@ class _Work:
 
 
 def check_defaults_and_a_failed_send() -> dict:
-    defaults = {kind: resolve_reduce_mode(None, None, torch.device(kind)) for kind in ("cpu", "cuda")}
+    defaults = {kind: (resolve_reduce_mode(None, None, torch.device(kind)), resolve_gather_mode(None, None,
+                                                                                                torch.device(kind)))
+                for kind in ("cpu", "cuda")}
     full = torch.arange(4.0) + dist.get_rank()
     reduction = PairwiseReduce(full, full[dist.get_rank() * 2 : dist.get_rank() * 2 + 2], None)
     failing, later = _Work(fails=True), _Work(fails=False)
@@ -121,6 +129,59 @@ def check_defaults_and_a_failed_send() -> dict:
 
 def test_gloo_defaults_by_device_and_a_failed_send_leaves_nothing_in_flight(dist_pool):
     for rank, result in enumerate(dist_pool(2).run(check_defaults_and_a_failed_send)):
-        assert result["defaults"] == {"cpu": "pairwise", "cuda": "all_reduce"}  # gloo stages device tensors itself
+        # gloo stages device tensors itself: its own collectives there
+        assert result["defaults"] == {"cpu": ("pairwise", "pairwise"), "cuda": ("all_reduce", "all_gather")}
         assert result["raised"] == ["peer lost"] * 2 and result["later_waited"] and result["real_done"], result
         assert result["own"] == [float(v + rank) for v in range(4)]  # failed: nothing summed into the segment
+
+
+def check_gather_modes() -> dict:
+    """Three steps per all-gather mode from one init on the same batches: losses, final shards, bytes per op."""
+    batches = [_local(tokens) for tokens in make_batches(3, BATCH)]
+    result: dict = {"losses": {}, "params": {}, "sent": {}, "modes": {}}
+    for mode in ("pairwise", "all_gather"):
+        model = lr.fully_shard(make_model(), shard_granularity="row", reduce_mode="all_reduce", gather_mode=mode)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        losses = []
+        for step, tokens in enumerate(batches):
+            with _IssuedBytes() as issued:
+                loss = lm_loss(model, tokens)
+                loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.item())
+        result["losses"][mode], result["sent"][mode] = losses, issued.bytes  # the last step's
+        result["params"][mode] = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        result["modes"][mode] = sorted({b.gather_mode for b in lr.get_state(model).dbuffers()})
+    return result
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_pairwise_all_gather_trains_as_the_backends_and_sends_what_it_sends(dist_pool, world_size):
+    for result in dist_pool(world_size).run(check_gather_modes):
+        assert result["modes"] == {"pairwise": ["pairwise"], "all_gather": ["all_gather"]}
+        # a gather copies bytes: the same full parameters, so the same losses and updates bit for bit
+        assert result["losses"]["pairwise"] == result["losses"]["all_gather"]
+        assert torch.equal(result["params"]["pairwise"], result["params"]["all_gather"])
+        pairwise, backend = result["sent"]["pairwise"], result["sent"]["all_gather"]
+        assert "c10d._allgather_base_" not in pairwise
+        # each peer this rank's segment: (W-1)/W of every full buffer gathered (first argument: the output)
+        gathered = backend["c10d._allgather_base_"]
+        assert pairwise["c10d.send"] == pytest.approx((world_size - 1) / world_size * gathered)
+        assert pairwise["c10d.recv_"] == pairwise["c10d.send"]
+
+
+def check_gather_in_a_subgroup() -> list[float]:
+    """A group of ranks {1, 2}: group ranks are mapped to global ones; rank 0 takes no part."""
+    group = dist.new_group([1, 2])
+    if dist.get_rank() == 0:
+        return []
+    mine = torch.full((3,), float(dist.get_rank()))
+    target = torch.empty(6)
+    gather = PairwiseGather(target, mine, group)
+    gather.wait()
+    return target.tolist()
+
+
+def test_pairwise_all_gather_in_a_subgroup(dist_pool):
+    assert dist_pool(3).run(check_gather_in_a_subgroup) == [[], [1.0] * 3 + [2.0] * 3, [1.0] * 3 + [2.0] * 3]

@@ -329,7 +329,9 @@ def check_schedule(streams: str, hsdp: bool, reduce_mode: str | None, knob: str)
     from lightning_ragged.observability.metrics import EngineMetrics
     from lightning_ragged.observability.probes import probe
 
-    kwargs = dict(_hsdp_groups() if hsdp else {}, reduce_mode=reduce_mode)
+    # the fake streams play a device's schedule: the backend's all-gather, as on a device (not gloo's pairwise)
+    kwargs = dict(_hsdp_groups() if hsdp else {}, reduce_mode=reduce_mode,
+                  gather_mode=None if streams == "noop" else "all_gather")
     data = make_batches(STEPS, BATCH)
     model = lr.fully_shard(make_model(), **kwargs, **KNOBS[knob])
     state = lr.get_state(model)

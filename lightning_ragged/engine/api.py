@@ -75,6 +75,7 @@ def fully_shard(
     memory_budget_bytes: int | None = None,
     replicate_group: dist.ProcessGroup | None = None,
     reduce_mode: str | None = None,
+    gather_mode: str | None = None,
     alignment: int | None = None,
     device: torch.device | str | None = None,
     sync_module_states: bool = True,
@@ -98,7 +99,8 @@ def fully_shard(
     ``n`` consecutive ranks (e.g. a node). ``replicate_group`` (HSDP) additionally averages
     the sharded gradients across replicas. ``reduce_mode`` overrides the per-backend choice
     ("pairwise" on gloo for CPU tensors, "all_reduce" in place for gloo on device tensors, "reduce_scatter"
-    elsewhere). ``alignment``: every parameter
+    elsewhere), ``gather_mode`` the all-gather's ("pairwise" on gloo for CPU tensors, "all_gather" elsewhere).
+    ``alignment``: every parameter
     view starts at a multiple of this many elements (default: 16 bytes). ``device`` places
     the buffers (a model on the meta device gets its shards, uninitialized, on the mesh's or backend's device
     without it; then ``to_empty`` leaves them in place and ``summon_full_params`` initializes whole tensors).
@@ -249,6 +251,7 @@ def fully_shard(
                 reduce_dtype=reduce_dtype,
                 replicate_group=replicate_group,
                 reduce_mode=reduce_mode,
+                gather_mode=gather_mode,
                 stats=stats,
                 device=device,
                 keep_cast_shard=keep_cast_shard,

@@ -1,7 +1,6 @@
 """DBuffer: the flat storage of one group, which is also its collective buffer.
 
 Three flat tensors laid out by the planner:
-
 * ``sharded`` (size S, master dtype): this rank's segment, persistent. The optimizer's
   parameters are 1-D views into it.
 * ``unsharded`` (size m·S, compute dtype): allocated at unshard (an fp8 gather's at its wait,
@@ -20,7 +19,7 @@ saved) stay valid. Group-level work runs once on the flat tensors, never per par
 parameters are all frozen never allocates a gradient buffer and is never reduced (decided at every backward
 from the current flags). A parameter no rank used keeps ``grad is None`` (DDP).
 
-**A single rank** (``single_rank``: a shard group of one, no HSDP): no collective, no copy. Without a cast or
+**A single rank** (``single_rank``: one rank in the shard group, no HSDP): no collective, no copy. Without a cast or
 fp8 the full buffer *is* the segment (``full_is_shard``): unshard/reshard only swap the module's views (no event).
 With a cast, the cast written into the full buffer is the "gather" (``keep_cast_shard`` keeps nothing). The
 gradient buffer, a tensor of its own each backward, is adopted as the sharded gradient (``sharded_grad.py``).
@@ -66,6 +65,7 @@ class DBuffer:
         reduce_dtype: torch.dtype | None = None,
         replicate_group: dist.ProcessGroup | None = None,
         reduce_mode: str | None = None,
+        gather_mode: str | None = None,
         stats: CommStats | None = None,
         device: torch.device | None = None,
         keep_cast_shard: bool = False,
@@ -91,6 +91,7 @@ class DBuffer:
         if self.device.type == "meta":
             raise ValueError("parameters are on the meta device; pass fully_shard(..., device=...) to allocate shards")
         self.reduce_mode = resolve_reduce_mode(reduce_mode, process_group, self.device)
+        self.gather_mode = collectives.resolve_gather_mode(gather_mode, process_group, self.device)
         self.master_dtype = first.dtype
         self.param_dtype = param_dtype or self.master_dtype
         self.reduce_dtype = reduce_dtype or self.param_dtype
@@ -211,7 +212,8 @@ class DBuffer:
     def _gather(self, async_op: bool, started: float, fp8: bool, kept: torch.Tensor | None) -> None:
         """On the all-gather stream: the full buffer (fp8's at the wait, where its dequantize writes it), the gather."""
         if fp8:  # fp8 on the wire: its chunk and received bytes live until the wait
-            pending = self.fp8_gather.issue(self._gather_target, self.sharded, self.process_group, async_op, started)
+            pending = self.fp8_gather.issue(
+                self._gather_target, self.sharded, self.process_group, async_op, started, self.gather_mode)
             sent = self.fp8_gather.wire_bytes
         else:
             storage.allocate(self.unsharded, self._unsharded_bytes)
@@ -224,7 +226,7 @@ class DBuffer:
             else:  # a fresh cast is transient: the next one reuses its block on this stream
                 source, group = kept if kept is not None else self.shard_cast.of(self.sharded), self.process_group
             pending = collectives.all_gather(
-                self._gather_target, source, group, async_op, started, self.custom.all_gather)
+                self._gather_target, source, group, async_op, started, self.custom.all_gather, self.gather_mode)
             sent = self.unsharded.numel() * self.unsharded.element_size()
         self._pending_unshard = pending
         self.stats.all_gathers += 1

@@ -288,12 +288,13 @@ class Fp8Gather:
 
     def issue(
         self, full: torch.Tensor, sharded: torch.Tensor, group: dist.ProcessGroup | None, async_op: bool,
-        started: float,
+        started: float, mode: str = "all_gather",
     ) -> PendingCollective:
-        """Quantize (or reuse the kept chunk), start the one all-gather; its wait also dequantizes into ``full``."""
+        """Quantize (or reuse the kept chunk), start the one all-gather (``mode``: the DBuffer's ``gather_mode``);
+        its wait also dequantizes into ``full``."""
         chunk = self.source.of(sharded)
         gathered = torch.empty(self.wire_bytes, dtype=torch.uint8, device=self.device)
-        pending = collectives.all_gather(gathered, chunk, group, async_op, started)
+        pending = collectives.all_gather(gathered, chunk, group, async_op, started, mode=mode)
         return _PendingFp8Gather(pending, gathered, lambda received: self.dequantize(received, full))
 
 

@@ -72,7 +72,8 @@ def summon_full_params(module: nn.Module, *, writeback: bool = True) -> Iterator
                 views = open_full(group)
                 opened.append((group, views))
                 for dbuffer in group.dbuffers:
-                    collectives.all_gather(views[(id(dbuffer), "")], dbuffer.sharded, dbuffer.process_group).wait()
+                    collectives.all_gather(views[(id(dbuffer), "")], dbuffer.sharded, dbuffer.process_group,
+                                           mode=dbuffer.gather_mode).wait()
         yield
     except BaseException:
         keep = False  # what the block left half done is not written into the shards

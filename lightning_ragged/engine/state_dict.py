@@ -116,7 +116,7 @@ def _gather_full(
     if gather:
         dist.gather(dbuffer.sharded, list(full.chunk(dbuffer.world_size)) if receives else None, dst=0, group=group)
     else:
-        collectives.all_gather(full, dbuffer.sharded, group)
+        collectives.all_gather(full, dbuffer.sharded, group, mode=dbuffer.gather_mode)
     out = {}
     if receives:
         for name in names:

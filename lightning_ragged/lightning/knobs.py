@@ -13,7 +13,7 @@ instead, e.g.::
 Checks that need the world size or the model (``replicate_degree`` dividing the world,
 ``reshard_after_forward`` dividing the shard group, class names in ``group_modules``) stay
 in ``setup``. The choices come from the engine (``granularity.POLICIES``,
-``layout.planner.ALGORITHMS``, ``collectives.REDUCE_MODES``) and its own checks are reused.
+``layout.planner.ALGORITHMS``, ``collectives.REDUCE_MODES``, ``GATHER_MODES``) and its own checks are reused.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from typing import Any, Callable, Mapping, NoReturn, Optional
 import torch.distributed as dist
 from torch import nn
 
-from lightning_ragged.engine.collectives import REDUCE_MODES
+from lightning_ragged.engine.collectives import GATHER_MODES, REDUCE_MODES
 from lightning_ragged.engine.api import fully_shard
 from lightning_ragged.engine.fsdp2_args import UNSUPPORTED
 from lightning_ragged.engine.fp8_gather import check_fp8_all_gather
@@ -306,9 +306,13 @@ KNOB_CHECKS: dict[str, Callable[[Any], None]] = {
 """One check per keyword-only knob of ``RaggedFSDPStrategy.__init__`` (a test keeps the two in step)."""
 
 
-def _reduce_mode(value: Any) -> None:
-    if value is not None:
-        _choice("reduce_mode", value, REDUCE_MODES, REDUCE_MODES[0])
+def _mode(knob: str, modes: tuple[str, ...]) -> Callable[[Any], None]:
+    """A check that the value is one of ``modes`` or None (the backend's best)."""
+    def check(value: Any) -> None:
+        if value is not None:
+            _choice(knob, value, modes, modes[0])
+
+    return check
 
 
 def _int_at_least(minimum: int, problem: str, fix: str, optional: bool = False) -> Callable[[Any], None]:
@@ -342,7 +346,8 @@ ENGINE_KWARG_CHECKS: dict[str, Callable[[Any], None]] = {
     "memory_budget_bytes": _int_at_least(
         1, "must be a positive int of bytes per rank (used with planning='auto')",
         "pass e.g. memory_budget_bytes=80 * 10**9", optional=True),
-    "reduce_mode": _reduce_mode,
+    "reduce_mode": _mode("reduce_mode", REDUCE_MODES),
+    "gather_mode": _mode("gather_mode", GATHER_MODES),
     "alignment": _int_at_least(
         1, "must be a positive int (elements) or None (16 bytes)", "pass e.g. alignment=16 or None", optional=True),
     "keep_last_unsharded": _flag("keep_last_unsharded"),

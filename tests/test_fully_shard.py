@@ -593,6 +593,33 @@ def test_full_state_dict_round_trip(dist_pool, world_size):
     assert max(dist_pool(world_size).run(check_full_state_dict_round_trip)) == 0.0
 
 
+def check_full_state_dict_of_checkpoint_wrapped_blocks() -> dict:
+    """torchtitan's order: blocks wrapped by torch's checkpoint_wrapper, then sharded. The wrapper drops its
+    attribute from ``state_dict()`` keys; the full state dict's keys were the modules' paths with it, so it
+    handed back every block entry as this rank's shard and its load raised a KeyError."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    model = make_model()
+    for index, block in enumerate(model.blocks):
+        model.blocks[index] = checkpoint_wrapper(block)
+    for block in model.blocks:
+        lr.fully_shard(block)
+    lr.fully_shard(model)
+    expected = make_model(seed=5).state_dict()  # unwrapped: the keys a user's checkpoint has
+    lr.load_full_state_dict(model, expected)
+    full = lr.full_state_dict(model)
+    offloaded = lr.full_state_dict(model, cpu_offload=True, rank0_only=True)
+    return {"keys": sorted(full) == sorted(expected) == sorted(model.state_dict()),
+            "plain": all(type(v) is torch.Tensor for v in [*full.values(), *offloaded.values()]),
+            "diff": max((full[k] - expected[k]).abs().max().item() for k in expected),
+            "rank0": sorted(offloaded) == (sorted(expected) if dist.get_rank() == 0 else [])}
+
+
+def test_full_state_dict_of_checkpoint_wrapped_blocks(dist_pool):
+    for result in dist_pool(2).run(check_full_state_dict_of_checkpoint_wrapped_blocks):
+        assert result == {"keys": True, "plain": True, "diff": 0.0, "rank0": True}, result
+
+
 class _LiveStorages(TorchDispatchMode):
     """Storages the ops inside the mode allocate (not views, not in-place outputs), and their bytes after each op
     (a storage freed with ``resize_(0)`` counts 0 even while a backend's work object still holds it).

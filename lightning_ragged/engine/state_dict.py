@@ -14,6 +14,7 @@ from typing import Iterable, NamedTuple
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_PREFIX
 
 from lightning_ragged.engine import collectives, storage
 from lightning_ragged.engine.checks import check_flag
@@ -52,7 +53,8 @@ def sharded_params(module: nn.Module) -> dict[str, ShardedParam]:
         return {}
     prefixes: dict[int, list[str]] = {}
     for prefix, submodule in module.named_modules(remove_duplicate=False):
-        prefixes.setdefault(id(submodule), []).append(prefix)
+        # torch's checkpoint_wrapper drops its attribute from state-dict keys (and adds it back on load)
+        prefixes.setdefault(id(submodule), []).append(f"{prefix}.".replace(_CHECKPOINT_PREFIX, "")[:-1])
     result = {}
     for group in get_state(module).all_groups:
         for owner, attr, dbuffer, name in group.slots:

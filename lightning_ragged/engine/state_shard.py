@@ -25,6 +25,7 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 from torch.utils import _pytree as pytree
 
+from lightning_ragged.engine import collectives
 from lightning_ragged.layout.ragged_shard import Box, RaggedShard
 
 aten = torch.ops.aten
@@ -93,7 +94,7 @@ class StateShard(torch.Tensor):
             padded = local.new_zeros(longest)
             padded[: local.numel()] = local
             gathered = local.new_empty(longest * shard.world_size)
-            dist.all_gather_into_tensor(gathered, padded, group=group)
+            collectives.all_gather(gathered, padded, group)  # the non-deprecated name on torch 2.13
             full = local.new_empty(shard.numel)
             for rank, (start, end) in enumerate(shard.rank_ranges):
                 full[start:end] = gathered[rank * longest : rank * longest + end - start]

@@ -396,7 +396,7 @@ def render(result: dict[str, Any], cfg: GPTConfig, opts: dict[str, Any], load: t
         f"[ragged, fsdp2, ddp] (order rotated every round) x {opts['steps']} timed steps; "
         f"{opts['rounds'] * opts['steps']} timed steps per framework, all three persistent in one process per rank.",
         "Frameworks: lightning_ragged `fully_shard(model)` defaults (one group per block, the token embedding's, the root; row granularity, "
-        "optimal planner, reshard after forward, gloo: `reduce_mode=\"pairwise\"`, each peer sent its segment of the flat gradient buffer); FSDP2 `fully_shard` "
+        "optimal planner, reshard after forward, gloo: `reduce_mode=\"pairwise\"`, each peer sent its segment of the flat gradient buffer, and `gather_mode=\"pairwise\"`, each peer sent this rank's segment of a DBuffer at once); FSDP2 `fully_shard` "
         "on each "
         "block then the root (defaults); DDP defaults (25 MiB buckets).",
         "",
@@ -444,7 +444,9 @@ def render(result: dict[str, Any], cfg: GPTConfig, opts: dict[str, Any], load: t
                                      if b - counts["local"]["copy_by_op"].get(op, 0) != 0) or "none")
             for name in FRAMEWORKS
         )
-        + ".",
+        + ". lightning_ragged's `aten::copy_` is its pairwise all-gather's one copy, this rank's own segment into "
+        "its slot of the full buffer (1/W of each buffer gathered); gloo's own all-gather (FSDP2's, and ours with "
+        "`gather_mode=\"all_gather\"`) makes that copy inside the backend, where no dispatch mode sees it.",
         "- not copies but the same memory traffic (bytes written by `fill_`/`zero_`/`add_` during forward+backward, "
         "minus the single-process model's): "
         + "; ".join(
@@ -468,7 +470,7 @@ def render(result: dict[str, Any], cfg: GPTConfig, opts: dict[str, Any], load: t
         + ".",
         "- collectives: `c10d::` operators dispatched during one forward+backward, with the bytes of the full-size "
         "buffer of each (all-gather output, all-reduce/reduce-scatter input; a point-to-point `send`/`recv_` of "
-        "lightning_ragged's pairwise reduction: its segment, one op per peer). By op: "
+        "lightning_ragged's pairwise reduction and all-gather: its segment, one op per peer). By op: "
         + "; ".join(
             f"{name}: " + ", ".join(f"`{op}` {n} x, {mib(b)} MiB" for op, (n, b) in sorted(counts[name]["collectives_by_op"].items()))
             for name in FRAMEWORKS

@@ -195,6 +195,46 @@ def test_muon_refuses_non_matrix_params():
         Muon([("bias", torch.nn.Parameter(torch.zeros(4)))])
 
 
+def test_aux_adamw_group_added_later_steps_as_torch_adamw_with_its_defaults():
+    """Lightning's ``BaseFinetuning.unfreeze_and_add_param_group`` adds ``{"params", "lr"}``, no
+    ``use_muon``: the group steps as ``torch.optim.AdamW`` with AdamW's defaults (before: KeyError
+    'use_muon' at step; with ``use_muon=False``, Muon's weight decay and KeyError 'betas')."""
+    from lightning.pytorch.callbacks import BaseFinetuning
+
+    torch.manual_seed(0)
+    head, backbone = torch.nn.Linear(8, 6, bias=False), torch.nn.Linear(8, 8)
+    reference = [torch.nn.Parameter(p.detach().clone()) for p in backbone.parameters()]
+    optimizer = MuonWithAuxAdamW([dict(params=[head.weight], use_muon=True, lr=0.02)])
+    BaseFinetuning.unfreeze_and_add_param_group(backbone, optimizer, lr=0.01, initial_denom_lr=1.0)
+    optimizer.add_param_group(dict(params=[extra := torch.nn.Parameter(torch.randn(5))], use_muon=False))
+    theirs = torch.optim.AdamW(reference, lr=0.01)
+    extra_reference = torch.nn.Parameter(extra.detach().clone())
+    theirs_extra = torch.optim.AdamW([extra_reference])
+    for _ in range(STEPS):
+        for p, q in zip([*backbone.parameters(), extra, head.weight], [*reference, extra_reference, None]):
+            p.grad = torch.randn_like(p)
+            if q is not None:
+                q.grad = p.grad.clone()
+        optimizer.step()
+        theirs.step()
+        theirs_extra.step()
+    assert all(torch.equal(p, q) for p, q in zip(backbone.parameters(), reference))
+    assert torch.equal(extra, extra_reference)
+
+
+def test_muon_refuses_a_non_matrix_param_added_later_and_stays_as_it_was():
+    """torch's ``add_param_group`` path gets the constructor's check (before: accepted, then IndexError
+    at the first step); the refused group leaves no trace, so a corrected one can follow."""
+    weight, bias = torch.nn.Parameter(torch.randn(6, 8)), torch.nn.Parameter(torch.randn(6))
+    for optimizer in (Muon([weight], lr=0.02), MuonWithAuxAdamW([dict(params=[weight], use_muon=True)])):
+        with pytest.raises(ValueError, match="Muon only supports 2-D parameters.*global shape \\(6,\\).*AdamW"):
+            optimizer.add_param_group(dict(params=[bias], use_muon=True))
+        assert len(optimizer.param_groups) == 1 and len(optimizer._param_names) == 1
+    optimizer.add_param_group(dict(params=[bias], use_muon=False))
+    weight.grad, bias.grad = torch.ones_like(weight), torch.ones_like(bias)
+    optimizer.step()
+
+
 def test_split_muon_params_recipe():
     muon, other = split_muon_params(make_model().named_parameters())
     muon_names = {name for name, _ in muon}

@@ -166,14 +166,23 @@ class Muon(RaggedOptimizer):
             ns_steps=ns_steps,
             adjust_lr_fn=adjust_lr_fn,
         )
-        super().__init__(params, defaults)
         if qkv_heads is not None and not callable(qkv_heads) and not isinstance(qkv_heads, Mapping):
             raise ValueError(
                 f"qkv_heads={qkv_heads!r} is not supported; pass a dict {{name fragment: head matrices}} "
                 "or a callable (name, global_shape) -> head matrices or None"
             )
-        self.qkv_heads = qkv_heads
-        for group in self.param_groups:
+        self.qkv_heads = qkv_heads  # before torch's __init__, whose add_param_group checks shapes against it
+        super().__init__(params, defaults)
+        self.last_plan: OwnerPlan | None = None
+        self._exchanges: dict[tuple[int, int], tuple[tuple[Any, ...], SplitExchange]] = {}  # shard group -> (its key, exchange)
+        self.newton_schulz: Callable[..., torch.Tensor] = _zeropower_via_newtonschulz
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """torch's ``add_param_group`` (the constructor's groups come through here too), refusing a
+        parameter Muon cannot orthogonalize when it is added rather than at the first ``step()``."""
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        try:
             for param in self._muon_params(group):
                 shape = tuple(self.shard(param).global_shape)
                 if len(shape) not in (2, 3):
@@ -183,10 +192,12 @@ class Muon(RaggedOptimizer):
                         "norms, biases and the output head to AdamW "
                         "(lightning_ragged.optim.split_muon_params(model.named_parameters()) splits them)"
                     )
-                matrix_layout(self.param_name(param), shape, qkv_heads)  # refuses a bad qkv_heads entry now
-        self.last_plan: OwnerPlan | None = None
-        self._exchanges: dict[tuple[int, int], tuple[tuple[Any, ...], SplitExchange]] = {}  # shard group -> (its key, exchange)
-        self.newton_schulz: Callable[..., torch.Tensor] = _zeropower_via_newtonschulz
+                matrix_layout(self.param_name(param), shape, self.qkv_heads)  # refuses a bad qkv_heads entry now
+        except ValueError:
+            self.param_groups.pop()  # a refused group leaves the optimizer as it was
+            for param in group["params"]:
+                self._param_names.pop(id(param), None)
+            raise
 
     def state_layout(self, param: torch.Tensor) -> dict[str, str]:
         return {"momentum_buffer": "flat"}

@@ -50,16 +50,20 @@ class MuonWithAuxAdamW(Muon):
     """Muon for groups with ``use_muon=True``, AdamW for the others, in one ``step()``."""
 
     def __init__(self, param_groups: list[dict[str, Any]], **muon_defaults: Any) -> None:
-        groups = []
         for group in param_groups:
             if "use_muon" not in group:
                 raise ValueError("every param group of MuonWithAuxAdamW needs use_muon=True or use_muon=False")
-            group = dict(group)
-            if not group["use_muon"]:
-                for key, value in ADAMW_DEFAULTS.items():
-                    group.setdefault(key, value)
-            groups.append(group)
-        super().__init__(groups, **muon_defaults)
+        super().__init__(param_groups, **muon_defaults)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """torch's ``add_param_group``; a group without ``use_muon`` (Lightning's ``BaseFinetuning`` adds
+        ``{"params", "lr"}``) steps with AdamW, which fits any shape; missing AdamW keys get AdamW's defaults."""
+        group = dict(param_group)
+        group.setdefault("use_muon", False)
+        if not group["use_muon"]:
+            for key, value in ADAMW_DEFAULTS.items():
+                group.setdefault(key, value)
+        super().add_param_group(group)
 
     def _muon_params(self, group: dict[str, Any]) -> list[torch.Tensor]:
         return group["params"] if group["use_muon"] else []

@@ -21,6 +21,15 @@ def barrier() -> None:
         dist.barrier()
 
 
+def rank_zero_value(value: object) -> object:
+    """Rank 0's ``value`` on every rank (a checkpoint path: every rank writes where rank 0 does)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 def rank_zero_warn(message: str) -> None:
     """Warn once per job (rank 0), pointing at the caller's caller."""
     if is_rank_zero():

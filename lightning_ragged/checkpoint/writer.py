@@ -38,7 +38,7 @@ from lightning_ragged.checkpoint.format import (
 )
 from lightning_ragged.checkpoint.model_state import sharded_model_state_dict
 from lightning_ragged.checkpoint.optimizer_state import sharded_optimizer_state_dict
-from lightning_ragged.checkpoint.ranks import barrier, is_rank_zero, world_size
+from lightning_ragged.checkpoint.ranks import barrier, is_rank_zero, rank_zero_value, world_size
 from lightning_ragged.checkpoint.reader import CheckpointInfo
 
 
@@ -205,16 +205,19 @@ class CheckpointWriter:
         the background and the next save (or ``wait()``) waits for them.
         """
         self.wait()
-        path = Path(path)
-        tmp = atomic_dir.partial_path(path)
         model_states = tuple(model_states)  # other states of sharded tensors (another model's, an average's)
         tensors, meta = _split_checkpoint(checkpoint, model_states)
         self._saves += 1
         sequence, saved_step = self._saves, meta.get("global_step", meta.get("step"))
+        path = Path(path)
 
         def translating(label: str, group: dist.ProcessGroup | None = None, note: str | None = None) -> Any:
             step = saved_step if isinstance(saved_step, int) else None
             return checkpoint_timeout.translating(path, label, sequence=sequence, step=step, group=group, note=note)
+
+        with translating("broadcast of rank 0's path"):  # a rank that never reaches the save is named here
+            path = Path(rank_zero_value(str(path)))
+        tmp = atomic_dir.partial_path(path)
 
         meta[FORMAT_KEY] = {
             "format_version": FORMAT_VERSION,

@@ -246,7 +246,7 @@ class RaggedFSDPFabricStrategy(RaggedParallel, ParallelStrategy):
                 "fabric.save(..., storage_options=...) is not supported by RaggedFSDPFabricStrategy: checkpoints are "
                 "written with torch.distributed.checkpoint, not a CheckpointIO plugin"
             )
-        fabric_checkpoints.save(self.checkpoints, self.broadcast(path), state, filter)
+        fabric_checkpoints.save(self.checkpoints, path, state, filter)  # every rank writes to rank 0's path
 
     def load_checkpoint(
         self,

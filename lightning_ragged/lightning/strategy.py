@@ -510,9 +510,8 @@ class RaggedFSDPStrategy(RaggedParallel, ParallelStrategy):
         """Collective: a sharded directory (or, with ``state_dict_type="full"``, one file), written atomically."""
         if self.alone_in_exception:  # this rank raised alone: nothing is written (exception_agreement.py)
             return
-        path = self.broadcast(filepath)
         self.ragged_checkpoints.state_dict_type = self.state_dict_type
-        self.ragged_checkpoints.save(checkpoint, path, storage_options)
+        self.ragged_checkpoints.save(checkpoint, filepath, storage_options)  # every rank writes to rank 0's path
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
         """Validate, load model and optimizer states in place (any saved layout); return the rest for Lightning.

@@ -69,6 +69,17 @@ def make_qwen3_moe(seed: int = 0) -> nn.Module:
     return Qwen3MoeForCausalLM(config)
 
 
+def make_deberta_mlm(seed: int = 0) -> nn.Module:
+    """DebertaV2ForMaskedLM (``legacy=False``): its head reads the word embedding's ``.weight`` itself, no tie."""
+    from transformers import DebertaV2Config, DebertaV2ForMaskedLM
+
+    torch.manual_seed(seed)
+    config = DebertaV2Config(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                             intermediate_size=64, max_position_embeddings=32, type_vocab_size=0, legacy=False,
+                             hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    return DebertaV2ForMaskedLM(config)
+
+
 def make_tokens(steps: int, batch: int, seq: int = 8, seed: int = 1) -> torch.Tensor:
     """``steps`` global batches of random tokens: shape (steps, batch, seq)."""
     generator = torch.Generator().manual_seed(seed)

@@ -237,6 +237,48 @@ def test_llama_per_layer_then_root_matches_single_process(dist_pool, impl: str, 
             assert result["layer_groups"] == 2 and result["every_layer_is_a_group"], result
 
 
+def _direct_read_head(kind: str) -> dict:
+    """Default grouping, an evaluation forward first (Lightning's sanity check), then 3 AdamW steps."""
+    import torch.distributed as dist
+
+    import lightning_ragged
+    from tests.hf_models import make_deberta_mlm, make_llama, make_tokens
+
+    make = make_deberta_mlm if kind == "deberta" else make_llama
+    rank, world = dist.get_rank(), dist.get_world_size()
+    reference, model = make(), make()
+    lightning_ragged.fully_shard(model)
+    embedding_groups = [g for g in lightning_ragged.get_state(model).groups if not g.unshard_in_backward]
+    batches = make_tokens(3, 2 * world)
+    optimizer = _adamw(model.parameters())
+    with torch.no_grad():
+        model(input_ids=_local_rows(batches[0], rank, world))
+    for batch in batches:
+        _lm_loss(model, _local_rows(batch, rank, world)).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    _train_reference(reference, batches)
+    expected = {k: v.detach() for k, v in reference.state_dict().items()}
+    return {
+        "param_diff": _max_diff(expected, _full_params(model, "lightning_ragged")),
+        "params_moved": _max_diff({k: v.detach() for k, v in make().state_dict().items()}, expected),
+        "embedding_groups": [(g.name, g.read_outside_forward) for g in embedding_groups],
+        "sharded_at_rest": all(_is_sharded(p, "lightning_ragged") for p in model.parameters()),
+    }
+
+
+@pytest.mark.parametrize("kind", ["deberta", "llama"])
+def test_a_head_reading_the_embedding_table_itself_trains_like_single_process(dist_pool, kind: str) -> None:
+    """DeBERTa-v2's MLM head reads ``word_embeddings.weight`` in its forward: the embedding's group of its own
+    (default grouping) is found read outside its forward and held until its backward (before: its 1-D shard
+    reached the head, a shape error in the first forward). Llama's embedding is not: still freed after lookup."""
+    for result in dist_pool(2).run(_direct_read_head, kind):
+        assert result["params_moved"] > 1e-3 and result["param_diff"] <= FP32_TOL, result
+        assert result["sharded_at_rest"], result
+        name = "deberta.embeddings.word_embeddings" if kind == "deberta" else "model.embed_tokens"
+        assert result["embedding_groups"] == [(name, kind == "deberta")], result
+
+
 def _generate_ending_apart(impl: str) -> dict:
     """Greedy ``generate`` where rank 0's sequence hits EOS after one token and rank 1's runs on."""
     import torch.distributed as dist

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import nn
 
-from lightning_ragged.engine.runtime import RaggedFSDPState, eager
+from lightning_ragged.engine.direct_reads import DirectReadProbe
+from lightning_ragged.engine.runtime import RaggedFSDPState, autograd_running, eager
 from lightning_ragged.engine.shard_group import ShardGroup
 
 
@@ -25,8 +27,15 @@ def install_hooks(state: RaggedFSDPState) -> None:
     root = state.root
     root_group = next((g for g in state.all_groups if g.is_root), None)
 
+    unprobed = [g for g in state.all_groups if not (g.is_root or g.unshard_in_backward or g.read_outside_forward)]
+    probe = DirectReadProbe(unprobed) if unprobed else None
+    if probe is not None:
+        state.handles += probe.handles
+
     def root_pre_hook(_module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         state.root_pre_forward()
+        if probe is not None and not probe.done and not autograd_running():
+            probe.start()
         if root_group is None:
             return args, kwargs
         return state.pre_forward(root_group, args, kwargs, cast=state.cast_root_inputs)
@@ -35,6 +44,8 @@ def install_hooks(state: RaggedFSDPState) -> None:
         try:
             return state.post_forward(root_group, output) if root_group is not None else output
         finally:
+            if probe is not None and not probe.done and not autograd_running():
+                probe.finish(torch.is_grad_enabled())
             state.root_post_forward()
 
     handles = state.handles

@@ -134,7 +134,7 @@ class RaggedFSDPState:
     def root_pre_forward(self) -> None:
         """The root's forward starts; the outermost call (not a nested ``self(x)`` in a
         LightningModule's ``training_step``) starts a step."""
-        if _autograd_running():
+        if autograd_running():
             return  # a recomputation (activation checkpointing) inside backward
         self._root_depth += 1
         if self._root_depth == 1:
@@ -142,7 +142,7 @@ class RaggedFSDPState:
 
     def root_post_forward(self) -> None:
         """The root's forward ended (also when it raised: the hook runs ``always_call``)."""
-        if _autograd_running():
+        if autograd_running():
             return
         self._root_depth = max(0, self._root_depth - 1)
         if self._root_depth == 0:
@@ -223,7 +223,7 @@ class RaggedFSDPState:
         """The group's module returned ``output``: hook its backward, reshard; the output in ``output_dtype``."""
         if torch.is_grad_enabled():
             self.hook_backward(group, output)
-        if not (self._in_backward or group.is_root):  # the root stays unsharded for its backward
+        if not (self._in_backward or group.is_root or group.held_through_forward):  # the root: kept for backward
             if not torch.is_grad_enabled():
                 group.reshard()
             elif not (self.keep_last_unsharded and self._previous_order and group is self._previous_order[-1]):
@@ -405,7 +405,7 @@ def _cast_outputs(group: ShardGroup, output: Any) -> Any:
     return map_tensors(lambda t: t.to(dtype) if t.is_floating_point() else t, output)
 
 
-def _autograd_running() -> bool:
+def autograd_running() -> bool:
     """True inside a backward pass (the autograd engine is executing a graph task)."""
     return torch._C._current_graph_task_id() != -1
 

@@ -56,6 +56,10 @@ class ShardGroup:
         self.backward_prefetch: list[ShardGroup] | None = None
         self.unshard_in_backward = is_root or self._members_read_params_in_backward()
         """FSDP2's ``set_unshard_in_backward``; False (decided for an embedding's group): no backward re-gather."""
+        self.held_through_forward = False
+        """Kept unsharded until the root's forward ends (and, training, until its backward): its parameters are
+        read outside its own forward, or the first forward is finding out (``direct_reads.py``)."""
+        self.read_outside_forward = False
         self.mp_policy = None
         self.output_dtype: torch.dtype | None = None
         """The module's floating-point outputs cast to this dtype: ``mp_policy.output_dtype`` of the group whose

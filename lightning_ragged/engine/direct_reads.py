@@ -1,0 +1,88 @@
+"""Groups whose full parameters are read outside their own forward, found in the first forward.
+
+A group whose backward reads no parameter (an embedding's group of its own, ``grouping.py``) is
+freed right after its forward and never re-gathered for backward. A model whose head reads the
+embedding's table itself (``F.linear(h, self.embeddings.word_embeddings.weight)``: DeBERTa-v2's and
+Perceiver's masked-LM heads, with no tied ``Parameter`` to see) would then get this rank's 1-D shard;
+torch's FSDP2 avoids it only because its users leave the embedding in the root group.
+
+The first forward of a sharded model runs under :class:`DirectReadProbe`: those groups stay
+unsharded until the root's forward ends, and a torch function mode records every use of their
+full parameters outside their own forward (reading ``dtype`` or ``device`` does not count: the
+shards have the same). A group read outside is held from then on (``ShardGroup.held_through_forward``):
+unsharded from its forward until its backward is done (evaluation: until the root's forward ends),
+as FSDP2's root group is, so the head's backward finds the table it saved. The others are resharded
+when the probed forward ends, as they would have been after their own forward.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_leaves
+
+from lightning_ragged.engine.shard_group import ShardGroup
+
+_METADATA = frozenset(
+    getter.__get__ for getter in (torch.Tensor.dtype, torch.Tensor.device, torch.Tensor.requires_grad,
+                                  torch.Tensor.is_cuda, torch.Tensor.layout)
+) | {torch.Tensor.is_floating_point, torch.Tensor.element_size, torch.Tensor.get_device}
+"""What a parameter's shard answers as its full parameter does: reading it is not a use."""
+
+
+class DirectReadProbe(TorchFunctionMode):
+    """Watches ``groups`` (those with no backward re-gather) through the first forward of their model."""
+
+    def __init__(self, groups: list[ShardGroup]) -> None:
+        super().__init__()
+        self.groups = groups
+        self._owner = {id(param): group for group in groups for _, _, param in group.unsharded_params()}
+        self._running: set[int] = set()
+        """The watched groups whose own forward is running (their reads are theirs)."""
+        self._depth = 0
+        self.done = False
+        self.handles = [handle for group in groups for handle in self._window_hooks(group)]
+
+    def _window_hooks(self, group: ShardGroup) -> list[Any]:
+        """Open the group's window before the engine's pre-forward hook, close it after its post-forward hook."""
+        def opened(_module: Any, _args: Any) -> None:
+            self._running.add(id(group))
+
+        def closed(_module: Any, _args: Any, _output: Any) -> None:
+            self._running.discard(id(group))
+
+        return [handle for member in group.members for handle in (
+            member.register_forward_pre_hook(opened, prepend=True), member.register_forward_hook(closed))]
+
+    def start(self) -> None:
+        """The root's forward starts: the outermost call of the first forward enters the mode."""
+        self._depth += 1
+        if self._depth == 1:
+            for group in self.groups:
+                group.held_through_forward = True
+            self.__enter__()
+
+    def finish(self, grad_enabled: bool) -> None:
+        """The root's forward ended (or raised): decide which groups stay held, release the others."""
+        self._depth -= 1
+        if self._depth > 0:
+            return
+        self.__exit__(None, None, None)
+        self.done = True
+        for handle in self.handles:
+            handle.remove()
+        for group in self.groups:
+            group.held_through_forward = group.read_outside_forward
+            if not group.held_through_forward and grad_enabled and group.is_unsharded:
+                group.reshard_after_forward_step()  # what its post-forward would have done
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func not in _METADATA:
+            for leaf in tree_leaves((args, kwargs)):
+                group = self._owner.get(id(leaf)) if isinstance(leaf, torch.Tensor) else None
+                if group is not None and id(group) not in self._running:
+                    group.read_outside_forward = True
+        return func(*args, **kwargs)

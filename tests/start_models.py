@@ -2,7 +2,8 @@
 
 * ``ConvBNNet``: conv stem + two residual conv/BatchNorm blocks + linear head, so it has
   buffers (BatchNorm running statistics) and several groups.
-* ``tiny_llama``: a ``transformers`` Llama from a tiny config (random init, nothing downloaded).
+* ``tiny_llama``: a ``transformers`` Llama from a tiny config (random init, nothing downloaded);
+  ``add_lora`` injects PEFT-style adapters into a built one.
 """
 
 from __future__ import annotations
@@ -107,10 +108,32 @@ def tiny_llama(tie: bool = False) -> nn.Module:
     return LlamaForCausalLM(llama_config(tie))
 
 
-class LitLlama(L.LightningModule):
-    def __init__(self, tie: bool = False) -> None:
+class LoRALinear(nn.Module):
+    """PEFT's recipe: a frozen base plus ``B @ A`` with ``B`` zero-initialized, so training starts at the base."""
+
+    def __init__(self, base: nn.Linear, rank: int = 2) -> None:
         super().__init__()
-        self.model = tiny_llama(tie)
+        self.base = base
+        self.lora_A = nn.Linear(base.in_features, rank, bias=False)
+        self.lora_B = nn.Linear(rank, base.out_features, bias=False)
+        nn.init.zeros_(self.lora_B.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + self.lora_B(self.lora_A(x))
+
+
+def add_lora(llama: nn.Module) -> nn.Module:
+    """Freeze ``llama`` and wrap every layer's ``q_proj`` in ``LoRALinear`` (after the model was built)."""
+    llama.requires_grad_(False)
+    for layer in llama.model.layers:
+        layer.self_attn.q_proj = LoRALinear(layer.self_attn.q_proj)
+    return llama
+
+
+class LitLlama(L.LightningModule):
+    def __init__(self, tie: bool = False, lora: bool = False) -> None:
+        super().__init__()
+        self.model = add_lora(tiny_llama(tie)) if lora else tiny_llama(tie)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids=tokens).logits

@@ -128,16 +128,16 @@ def batchnorm_mode(results: dict) -> None:
 
 
 def llama_mode(results: dict) -> None:
-    for tie in (False, True):
-        name = f"llama_{'tied' if tie else 'untied'}"
+    for tie, lora in ((False, False), (True, False), (False, True)):
+        name = "llama_lora" if lora else f"llama_{'tied' if tie else 'untied'}"
         L.seed_everything(11, verbose=False)
-        eager = LitLlama(tie)
+        eager = LitLlama(tie, lora)
         expected = {k: v.clone() for k, v in eager.state_dict().items()}
         expected_buffers = {k: v.clone() for k, v in eager.named_buffers()}
         L.seed_everything(11, verbose=False)
         trainer = cpu_trainer("ragged_fsdp", DEVICES, 1, enable_checkpointing=False)
         with trainer.init_module(empty_init=True):
-            model = LitLlama(tie)
+            model = LitLlama(tie, lora)
         results[f"{name}_built_on_meta"] = all(p.is_meta for p in model.parameters())
         trainer.validate(model, llama_tokens(DEVICES * BATCH, BATCH), verbose=False)
         full = full_state_dict(model)

@@ -271,17 +271,17 @@ class _TraceMode(TorchDispatchMode):
 
 
 @contextlib.contextmanager
-def _meta_noop_inits_write() -> Iterator[None]:
-    """Make the ``torch.nn.init`` functions that skip meta tensors record a full write in the trace."""
+def on_meta_noop_inits(handler: Callable[..., torch.Tensor]) -> Iterator[None]:
+    """Route the ``torch.nn.init`` functions that skip meta tensors (``META_NOOP_INITS``, and transformers'
+    table of them) to ``handler(name, original, tensor, args, kwargs)`` when given a meta tensor."""
     init = torch.nn.init
     patched: list[tuple[Any, str, Any]] = []
     hf_table = getattr(sys.modules.get("transformers.initialization"), "TORCH_INIT_FUNCTIONS", None)
 
-    def recording(original: Callable) -> Callable:
+    def routed(name: str, original: Callable) -> Callable:
         def run(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
             if tensor.is_meta:
-                with torch.no_grad():
-                    return tensor.fill_(0.0)
+                return handler(name, original, tensor, args, kwargs)
             return original(tensor, *args, **kwargs)
 
         return run
@@ -290,10 +290,10 @@ def _meta_noop_inits_write() -> Iterator[None]:
         for name in META_NOOP_INITS:
             original = getattr(init, name)
             patched.append((init, name, original))
-            setattr(init, name, recording(original))
+            setattr(init, name, routed(name, original))
             if hf_table is not None and name in hf_table:
                 patched.append((hf_table, name, hf_table[name]))
-                hf_table[name] = recording(hf_table[name])
+                hf_table[name] = routed(name, hf_table[name])
         yield
     finally:
         for owner, name, original in reversed(patched):
@@ -301,6 +301,12 @@ def _meta_noop_inits_write() -> Iterator[None]:
                 owner[name] = original
             else:
                 setattr(owner, name, original)
+
+
+def _full_write(_name: str, _original: Callable, tensor: torch.Tensor, _args: tuple, _kwargs: dict) -> torch.Tensor:
+    """In the trace: a function that skips meta tensors overwrites the whole tensor (record it so)."""
+    with torch.no_grad():
+        return tensor.fill_(0.0)
 
 
 @contextlib.contextmanager
@@ -333,7 +339,7 @@ def trace_events(
         regions.add(tensor, key)
     trace = Trace()
     mode = _TraceMode(regions, trace)
-    with _hf_flags_restored(root), _meta_noop_inits_write(), torch.random.fork_rng(devices=[]), mode:
+    with _hf_flags_restored(root), on_meta_noop_inits(_full_write), torch.random.fork_rng(devices=[]), mode:
         for index, event in enumerate(events):
             mode.start(index)
             event.run()

@@ -11,14 +11,16 @@ uninitialized. ``materialize_meta_module`` fills them group by group:
    as their ``__init__`` calls them (leaves in module order), and for a Hugging Face
    ``PreTrainedModel`` its ``post_init`` initialization, ``_initialize_weights(module)``
    children first with the model's own ``_init_weights`` (which also recomputes
-   non-persistent buffers such as the rotary ``inv_freq``); see ``init_replay.py``,
+   non-persistent buffers such as the rotary ``inv_freq``); see ``init_replay.py``. Given the
+   construction's recorded calls (``init_record.py``: what the Lightning strategies' init contexts
+   record), those are replayed instead, which covers whatever ``__init__`` did,
 4. copy this rank's segment into ``dbuffer.sharded`` and free the buffer.
 
 **What matches.** The replay makes the same calls, on tensors of the same shapes, dtypes
 and device, in the same order as ``torch.manual_seed(seed)`` followed by building the model
 on ``device``: the result is bit for bit the eager init for models whose random draws all
 come from ``reset_parameters()`` and ``_init_weights`` (torch layers, ``transformers``
-Llama, tied or not). Not replayed: random numbers a module draws directly in its
+Llama, tied or not). Not replayed structurally: random numbers a module draws directly in its
 ``__init__`` (``nn.Parameter(torch.randn(...))``, GPT-2's ``Conv1D``): such a model is still
 initialized (when ``_init_weights`` covers those tensors) but its stream is offset. An
 eager build on CPU matches a materialization on CPU (CUDA draws from another generator).
@@ -45,8 +47,8 @@ from torch import nn
 
 from lightning_ragged.engine.full_params import close_full, open_full
 from lightning_ragged.engine.runtime import get_state
+from lightning_ragged.engine.init_record import RecordedProgram, UnreplayableError
 from lightning_ragged.engine.init_replay import (
-    InitEvent,
     Trace,
     eager_init_events,
     has_hf_init,
@@ -88,10 +90,12 @@ class MaterializeReport:
     """(call, tensor) writes sent to a scratch tensor because a later call overwrites them unread."""
     traced: bool = True
     """False when the meta dry run failed: every group was open for the whole replay."""
+    recorded: bool = False
+    """The construction's recorded calls were replayed (``init_record.py``), not the structural ones."""
 
 
 def materialize_meta_module(
-    module: nn.Module, device: torch.device | str, seed: int | None = None
+    module: nn.Module, device: torch.device | str, seed: int | None = None, program: RecordedProgram | None = None
 ) -> MaterializeReport:
     """Initialize the shards (and meta buffers) of a module sharded from the meta device.
 
@@ -99,18 +103,31 @@ def materialize_meta_module(
     ``reset_parameters()`` of the modules as their ``__init__`` calls them, and each Hugging
     Face ``PreTrainedModel``'s ``post_init`` initialization with its own ``_init_weights``)
     under ``seed`` (default ``shared_seed()``), group by group; the global RNG state is left
-    untouched. Returns how many full-buffer bytes and groups were alive at the peak.
+    untouched. With ``program`` (the construction's recorded calls, ``init_record.py``) those calls
+    are replayed instead; one it cannot replay falls back to the structural calls, with a warning.
+    Returns how many full-buffer bytes and groups were alive at the peak.
     Raises ``RuntimeError`` naming the parameters or buffers that nothing would initialize
     (they would otherwise hold garbage).
     """
     device = torch.device(device)
     state = get_state(module)
     groups = state.all_groups
-    events = eager_init_events(module)
     tied = tied_target_slots(module)
     meta_buffers = {(id(sub), attr) for sub in module.modules() for attr, b in sub._buffers.items()
                     if b is not None and b.is_meta}
-    trace = _dry_run(module, groups, events, tied)
+    if program is not None:
+        try:
+            program.start(torch.device("meta"))
+            events: list[Any] = program.events
+            trace = _dry_run(module, groups, events, tied)
+            program.start(device)
+        except UnreplayableError as error:
+            warnings.warn(f"the recorded construction cannot be replayed ({error}); replaying reset_parameters() "
+                          "and Hugging Face initialization instead (init_replay.py)", stacklevel=2)
+            program = None
+    if program is None:
+        events = eager_init_events(module)
+        trace = _dry_run(module, groups, events, tied)
     _materialize_buffers(module, device)
     if trace is not None:
         _check_coverage(module, groups, trace, meta_buffers, device)
@@ -164,7 +181,7 @@ def materialize_meta_module(
     live: dict[int, dict[tuple[int, str], torch.Tensor]] = {}
     tied_scratch: dict[Any, nn.Parameter] = {}
     report = MaterializeReport(largest_group_bytes=max(_group_bytes(g) for g in groups), events=len(events),
-                               traced=trace is not None)
+                               traced=trace is not None, recorded=program is not None)
     with _forked_rng(device), torch.no_grad():
         torch.manual_seed(seed)
         for index, event in enumerate(events):
@@ -201,7 +218,7 @@ def _group_bytes(group: ShardGroup) -> int:
     return sum(b.full_numel * b.sharded.element_size() for b in group.dbuffers)
 
 
-def _dry_run(module: nn.Module, groups: list[ShardGroup], events: list[InitEvent],
+def _dry_run(module: nn.Module, groups: list[ShardGroup], events: list[Any],
              tied: set[tuple[int, str]]) -> Trace | None:
     """Trace the replay on meta tensors (no memory, no random numbers); None if it cannot run there."""
     tracked: list[tuple[torch.Tensor, Any]] = []
@@ -232,6 +249,8 @@ def _dry_run(module: nn.Module, groups: list[ShardGroup], events: list[InitEvent
             tracked.append((buffer, ("buffer", id(sub), attr)))
     try:
         return trace_events(module, events, tracked)
+    except UnreplayableError:
+        raise
     except Exception as error:  # noqa: BLE001 - any model code may refuse meta tensors
         warnings.warn(
             f"meta-device initialization could not be traced on meta tensors ({type(error).__name__}: {error}); "

@@ -35,6 +35,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_ragged.engine.api import DEFAULT_DBUFFER_SIZE, no_sync
+from lightning_ragged.engine.init_record import Recording, recording
 from lightning_ragged.engine.grad_clip import clip_grad_norm_, clip_grad_value_, clip_target
 from lightning_ragged.engine.torch_state_dict import hook_optimizer
 from lightning_ragged.layout.granularity import GranularityPolicy
@@ -115,6 +116,8 @@ class RaggedFSDPFabricStrategy(RaggedParallel, ParallelStrategy):
         )
         self._knobs = knobs
         self._engine_kwargs = kwargs
+        self._init_recordings: list[Recording] = []
+        """What ``module_init_context`` built (``init_record.py``), replayed to materialize a meta model."""
         self._num_nodes = 1
         self._process_group_backend = process_group_backend
         self._timeout = timeout
@@ -167,6 +170,7 @@ class RaggedFSDPFabricStrategy(RaggedParallel, ParallelStrategy):
             device=self.root_device,
             activation_checkpointing=knobs["activation_checkpointing"] or (),
             group_modules=knobs["group_modules"],
+            recordings=self._init_recordings,
             process_group=self._shard_group,
             replicate_group=self._replicate_group,
             shard_granularity=knobs["shard_granularity"],
@@ -202,10 +206,12 @@ class RaggedFSDPFabricStrategy(RaggedParallel, ParallelStrategy):
         pass  # the shards are allocated on the root device by `fully_shard`
 
     def module_init_context(self, empty_init: Optional[bool] = None) -> AbstractContextManager:
-        """Build on the meta device with ``empty_init=True`` (materialized group by group at setup)."""
+        """Build on the meta device with ``empty_init=True`` (materialized group by group at setup, replaying
+        the calls recorded here: ``init_record.py``)."""
         stack = ExitStack()
         stack.enter_context(torch.device("meta") if empty_init else self.root_device)
         stack.enter_context(self.precision.module_init_context())
+        self._init_recordings.append(stack.enter_context(recording()))
         return stack
 
     # ------------------------------------------------------------- gradients

@@ -19,6 +19,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from lightning_ragged.checkpoint.dcp import release_meshes
 from lightning_ragged.engine.api import fully_shard, get_state
+from lightning_ragged.engine.init_record import Recording, bind_recordings
 from lightning_ragged.engine.meta_init import has_meta_tensors, materialize_meta_module
 
 ModuleSpec = Union[type, str]
@@ -106,6 +107,7 @@ def shard_module(
     activation_checkpointing: Sequence[ModuleSpec] = (),
     group_modules: Optional[Sequence[ModuleSpec]] = None,
     cast_root_inputs: bool = True,
+    recordings: Optional[list[Recording]] = None,
     **fully_shard_kwargs: Any,
 ) -> nn.Module:
     """Checkpoint the matching modules' activations, move ``model`` to ``device`` and shard it in place.
@@ -113,9 +115,11 @@ def shard_module(
     A model with meta tensors stays where it is until ``fully_shard`` has planned it, then is
     materialized group by group (``meta_init.py``). ``cast_root_inputs=False`` leaves the root
     forward's inputs in their dtype under a mixed-precision policy (the Trainer's root is the
-    LightningModule, whose inputs hold the targets too).
+    LightningModule, whose inputs hold the targets too). ``recordings``: the strategy's init contexts'
+    (``init_record.py``), replayed when they built the meta model, then emptied.
     """
     on_meta = has_meta_tensors(model)
+    program = bind_recordings(model, recordings) if on_meta and recordings else None
     for module in match_modules(model, activation_checkpointing, "activation_checkpointing"):
         from torch.distributed._composable import checkpoint
 
@@ -126,7 +130,7 @@ def shard_module(
     fully_shard(model, group_modules=classes, device=device, **fully_shard_kwargs)
     get_state(model).cast_root_inputs = cast_root_inputs
     if on_meta:
-        materialize_meta_module(model, device)
+        materialize_meta_module(model, device, program=program)
     return model
 
 

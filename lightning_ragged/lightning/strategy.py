@@ -46,6 +46,7 @@ from torch.optim import Optimizer
 
 import lightning.pytorch as pl
 from lightning_ragged.engine.api import DEFAULT_DBUFFER_SIZE, auto_plan_for, get_state, no_sync
+from lightning_ragged.engine.init_record import Recording, recording
 from lightning_ragged.layout.granularity import GranularityPolicy
 from lightning_ragged.lightning.callbacks import add_metrics_callback
 from lightning_ragged.lightning.checkpoint_io import LightningCheckpointIO
@@ -217,6 +218,8 @@ class RaggedFSDPStrategy(RaggedParallel, ParallelStrategy):
         self._shard_group: Optional[dist.ProcessGroup] = None
         self._replicate_group: Optional[dist.ProcessGroup] = None
         self._warned_sharded_checkpoint = False
+        self._init_recordings: list[Recording] = []
+        """What ``tensor_init_context`` built (``init_record.py``), replayed to materialize a meta model."""
         self.sync_module_states = sync_module_states
         self.broadcast_buffers = broadcast_buffers
 
@@ -382,6 +385,7 @@ class RaggedFSDPStrategy(RaggedParallel, ParallelStrategy):
             activation_checkpointing=self.activation_checkpointing,
             group_modules=self.group_modules,
             cast_root_inputs=False,
+            recordings=self._init_recordings,
             process_group=self._shard_group,
             replicate_group=self._replicate_group,
             shard_granularity=self.shard_granularity,
@@ -441,10 +445,11 @@ class RaggedFSDPStrategy(RaggedParallel, ParallelStrategy):
 
     @contextmanager
     def tensor_init_context(self, empty_init: Optional[bool] = None) -> Generator[None, None, None]:
-        # Meta tensors are materialized group by group in `setup()`.
+        # Meta tensors are materialized group by group in `setup()`, replaying the calls recorded here.
         device_context = torch.device("meta") if empty_init else self.root_device
-        with device_context, self.precision_plugin.tensor_init_context():
+        with device_context, self.precision_plugin.tensor_init_context(), recording() as record:
             yield
+        self._init_recordings.append(record)
 
     # ---------------------------------------------------------------- steps
     def training_step(self, *args: Any, **kwargs: Any) -> Any:

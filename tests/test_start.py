@@ -314,6 +314,12 @@ def check_recorded_meta_equals_eager(kind: str) -> dict:
             model = nn.Sequential(nn.Embedding(16, 8), nn.ModuleList(nn.Linear(8, 8) for _ in range(2)), nn.Linear(8, 16))
             nn.init.zeros_(model[2].weight)
             return model
+        if kind == "weight_norm":  # a parametrization (wav2vec2's positional conv) and a legacy-constructor
+            # parameter (wav2vec2's masked_spec_embed: torch.Tensor(n) ignores the meta device: a real tensor)
+            model = nn.Sequential(nn.Linear(8, 8), nn.utils.parametrizations.weight_norm(nn.Conv1d(8, 8, 3), dim=2),
+                                  nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8)))
+            model.mask_embed = nn.Parameter(torch.Tensor(8).uniform_())
+            return model
         if kind == "randn":  # parameters drawn in __init__ (ViT's position embedding style), no reset_parameters
             model = nn.Sequential(nn.Linear(4, 8), nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8)))
             model.pos = nn.Parameter(torch.randn(3, 8) * 0.02)
@@ -334,11 +340,11 @@ def check_recorded_meta_equals_eager(kind: str) -> dict:
             "recorded": report.recorded, "traced": report.traced}
 
 
-@pytest.mark.parametrize("kind", ["lora", "zero_head", "randn", "gpt2"])
+@pytest.mark.parametrize("kind", ["lora", "zero_head", "randn", "weight_norm", "gpt2"])
 def test_recorded_construction_replays_to_the_eager_init(dist_pool, kind: str) -> None:
     """What ``__init__`` does beyond ``reset_parameters`` and ``post_init`` is replayed from the recording (before,
-    with the structural replay: LoRA's B and the zero head were not zero, ``randn`` parameters were refused as
-    uninitialized, GPT-2's draws were offset)."""
+    with the structural replay: LoRA's B and the zero head were not zero, ``randn`` parameters and a weight_norm
+    parametrization were refused as uninitialized, GPT-2's draws were offset)."""
     if kind in ("lora", "gpt2"):
         pytest.importorskip("transformers")
     for result in dist_pool(2).run(check_recorded_meta_equals_eager, kind):
@@ -367,9 +373,30 @@ def check_uninitialized_is_named() -> str:
     return ""
 
 
+def check_parametrized_hint() -> str:
+    import torch
+    from torch import nn
+
+    import lightning_ragged as lr
+    from lightning_ragged.engine.meta_init import materialize_meta_module
+
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(4, 4), nn.utils.parametrizations.weight_norm(nn.Linear(4, 4)))
+    lr.fully_shard(model, device="cpu")
+    try:
+        materialize_meta_module(model, "cpu", seed=0)
+    except RuntimeError as error:
+        return str(error)
+    return ""
+
+
 def test_uninitialized_tensors_are_named(dist_pool) -> None:
     message = dist_pool(2).run(check_uninitialized_is_named)[0]
     assert message.startswith("cannot initialize a model built on the meta device") and "1.gain" in message, message
+    assert "init_module(empty_init=True)" in message and "parametrizations" not in message, message
+    # a weight_norm parametrization, built by hand on meta: the message says why and where, and the way that works
+    message = dist_pool(2).run(check_parametrized_hint)[0]
+    assert "parametrizations, e.g. weight_norm, at 1" in message and "records what the construction" in message
 
 
 def check_meta_special_cases() -> dict:

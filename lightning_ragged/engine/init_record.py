@@ -7,9 +7,10 @@ built model (which changes the order of the draws), a classifier replaced after 
 ``normal_`` in ``__init__`` (GPT-2's ``Conv1D``), ``torch.randn`` parameters (ViT).
 
 Under ``Trainer.init_module(empty_init=True)`` / ``fabric.init_module(empty_init=True)`` the strategy
-builds the model inside :func:`recording`: a torch function mode that records every call that involves
-a meta tensor and returns a tensor or writes one (factories, ``torch.nn.init`` functions, in-place
-writes, views, arithmetic), in order, with the default dtype of the moment. :meth:`Recording.program`
+builds the model inside :func:`recording`: a torch function mode that records every call that returns
+a tensor or writes one (factories, ``torch.nn.init`` functions, in-place writes, views, arithmetic), in
+order, with the default dtype of the moment (also on real tensors: ``torch.Tensor(n).uniform_()``, whose
+legacy constructor ignores the meta device, makes a real parameter, which the replay draws again in its place). :meth:`Recording.program`
 binds it to the model's parameter and buffer slots; its :class:`RecordedCall` events run through
 ``meta_init.py`` like the structural ones (dry run on meta tensors, then group by group under the shared
 seed): the same calls on tensors of the same shapes and dtypes in the same order, so the same draws as
@@ -71,11 +72,12 @@ class Recording:
 
         ``tied``: the slots that hold another slot's parameter (``init_replay.tied_target_slots``).
         """
+        touched = {_key(t) for call in self.calls for t in _tensors((call.args, call.kwargs, call.result))}
         slots: dict[int, tuple[nn.Module, str, str, torch.Tensor]] = {}
         for sub in module.modules():
             for kind, table in (("param", sub._parameters), ("buffer", sub._buffers)):
                 for attr, tensor in table.items():
-                    if tensor is None or not tensor.is_meta or (id(sub), attr) in tied:
+                    if tensor is None or (id(sub), attr) in tied or not (tensor.is_meta or _key(tensor) in touched):
                         continue
                     key = _key(tensor)
                     if key in slots:
@@ -101,7 +103,7 @@ class RecordedProgram:
         self.device, self._made = torch.device(device), {}
 
     def resolve(self, value: Any) -> Any:
-        if not isinstance(value, torch.Tensor) or not value.is_meta:
+        if not isinstance(value, torch.Tensor):
             return value
         key = _key(value)
         if key in self.slots:
@@ -111,9 +113,11 @@ class RecordedProgram:
                 return value
             return _view_like(base, value, slot.storage_offset())
         made = self._made.get(key)
-        if made is None:
+        if made is not None:
+            return _view_like(made[0], value, made[1])
+        if value.is_meta:
             raise UnreplayableError(f"a meta tensor of shape {tuple(value.shape)} was made by no recorded call")
-        return _view_like(made[0], value, made[1])
+        return value  # a real tensor from before the recording (or a legacy constructor's, then a slot's)
 
     def keep(self, meta: torch.Tensor, real: torch.Tensor, fresh: bool, writes: bool) -> None:
         """``real`` is what the replay made for the recorded output ``meta``: remember its storage, or copy it
@@ -150,7 +154,7 @@ class RecordedCall:
                     raise UnreplayableError(f"{_name(call.func)} returned another structure when replayed")
                 writes = _name(call.func) not in EMPTY_FACTORIES
                 for meta, real in zip(metas, reals):
-                    if isinstance(meta, torch.Tensor) and meta.is_meta and isinstance(real, torch.Tensor):
+                    if isinstance(meta, torch.Tensor) and isinstance(real, torch.Tensor):
                         program.keep(meta, real, fresh=_key(real) not in inputs, writes=writes)
         finally:
             torch.set_default_dtype(previous)
@@ -167,9 +171,8 @@ class _Recorder(TorchFunctionMode):
         result = func(*args, **kwargs)
         name = _name(func)
         writes = name.endswith("_") or name == "__setitem__"
-        if name not in NOT_RECORDED and (writes or _tensors(result)):
-            if any(t.is_meta for t in _tensors((args, kwargs, result))):
-                self.recording.calls.append(Call(func, args, kwargs, result, torch.get_default_dtype()))
+        if name not in NOT_RECORDED and (writes or _tensors(result)) and _tensors((args, kwargs, result)):
+            self.recording.calls.append(Call(func, args, kwargs, result, torch.get_default_dtype()))
         return result
 
 

@@ -44,6 +44,7 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.nn.utils import parametrize
 
 from lightning_ragged.engine.full_params import close_full, open_full
 from lightning_ragged.engine.runtime import get_state
@@ -130,7 +131,7 @@ def materialize_meta_module(
         trace = _dry_run(module, groups, events, tied)
     _materialize_buffers(module, device)
     if trace is not None:
-        _check_coverage(module, groups, trace, meta_buffers, device)
+        _check_coverage(module, groups, trace, meta_buffers, device, recorded=program is not None)
 
     by_id = {id(group): group for group in groups}
     key_group = {(id(b), name): group for group in groups for b in group.dbuffers for name in b.unsharded_params}
@@ -267,7 +268,7 @@ def _dry_run(module: nn.Module, groups: list[ShardGroup], events: list[Any],
 
 
 def _check_coverage(module: nn.Module, groups: list[ShardGroup], trace: Trace,
-                    meta_buffers: set[tuple[int, str]], device: torch.device) -> None:
+                    meta_buffers: set[tuple[int, str]], device: torch.device, recorded: bool) -> None:
     """Every parameter and meta buffer must be fully written by some call before anything reads it."""
     missing = []
     names = {id(p): n for n, p in module.named_parameters(remove_duplicate=False)}
@@ -282,12 +283,26 @@ def _check_coverage(module: nn.Module, groups: list[ShardGroup], trace: Trace,
         if not _rebuild_buffer(sub, attr, device):
             missing.append(f"{path + '.' if path else ''}{attr} (buffer)")
     if missing:
-        hf = " nor by the Hugging Face model's `_init_weights`" if has_hf_init(module) else ""
+        if recorded:
+            written = "by any call its construction made (recorded under init_module(empty_init=True))"
+        else:
+            hf = " nor by the Hugging Face model's `_init_weights`" if has_hf_init(module) else ""
+            written = f"neither by a module's `reset_parameters()`{hf}"
+        parametrized = [name for name, sub in module.named_modules() if parametrize.is_parametrized(sub)]
+        hint = "" if recorded else (
+            " Built by hand on the meta device, it was replayed structurally; under `Trainer.init_module(empty_init="
+            "True)` / `fabric.init_module(empty_init=True)` the strategy records what the construction does and "
+            "replays that"
+            + (f" (this model has parametrizations, e.g. weight_norm, at {', '.join(parametrized[:3])}: the "
+               "structural replay does not follow them, so the tensors after them are reported too)" if parametrized
+               else "")
+            + "."
+        )
         raise RuntimeError(
             "cannot initialize a model built on the meta device: nothing initializes these tensors (they are "
-            f"written neither by a module's `reset_parameters()`{hf}): {', '.join(missing)}. Give those modules "
-            "a `reset_parameters()` that initializes their own parameters/buffers, or build the model without "
-            "`Trainer.init_module(empty_init=True)` / `fabric.init_module(empty_init=True)` / `torch.device('meta')`."
+            f"written {written}): {', '.join(missing)}. Give those modules "
+            "a `reset_parameters()` that initializes their own parameters/buffers, or build the model on a real "
+            "device (not `torch.device('meta')` nor `init_module(empty_init=True)`)." + hint
         )
 
 

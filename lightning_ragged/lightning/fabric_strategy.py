@@ -211,7 +211,8 @@ class RaggedFSDPFabricStrategy(RaggedParallel, ParallelStrategy):
         stack = ExitStack()
         stack.enter_context(torch.device("meta") if empty_init else self.root_device)
         stack.enter_context(self.precision.module_init_context())
-        self._init_recordings.append(stack.enter_context(recording()))
+        if empty_init:
+            self._init_recordings.append(stack.enter_context(recording()))
         return stack
 
     # ------------------------------------------------------------- gradients

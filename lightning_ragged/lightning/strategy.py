@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Generator, Literal, Mapping, Optional, Sequence, Union
@@ -447,9 +447,11 @@ class RaggedFSDPStrategy(RaggedParallel, ParallelStrategy):
     def tensor_init_context(self, empty_init: Optional[bool] = None) -> Generator[None, None, None]:
         # Meta tensors are materialized group by group in `setup()`, replaying the calls recorded here.
         device_context = torch.device("meta") if empty_init else self.root_device
-        with device_context, self.precision_plugin.tensor_init_context(), recording() as record:
+        recorder = recording() if empty_init else nullcontext(None)
+        with device_context, self.precision_plugin.tensor_init_context(), recorder as record:
             yield
-        self._init_recordings.append(record)
+        if record is not None:
+            self._init_recordings.append(record)
 
     # ---------------------------------------------------------------- steps
     def training_step(self, *args: Any, **kwargs: Any) -> Any:

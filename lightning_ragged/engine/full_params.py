@@ -4,8 +4,7 @@ Code that must see whole tensors between steps (an ``init_weights()`` after ``to
 initializers, surgery on a weight) cannot work on 1-D shards: a random initializer run on each rank's
 shard draws each rank's own numbers instead of its slice of one tensor. ``summon_full_params`` (FSDP1's
 name) gathers the groups of a module in their master dtype, points the modules at full-shape parameters
-and, on exit, keeps each rank's segment of what they then hold. ``meta_init.py`` opens and closes groups
-the same way while it replays an eager initialization.
+and, on exit, keeps each rank's segment of what they then hold.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ a tensor or writes one (factories, ``torch.nn.init`` functions, in-place writes,
 order, with the default dtype of the moment (also on real tensors: ``torch.Tensor(n).uniform_()``, whose
 legacy constructor ignores the meta device, makes a real parameter, which the replay draws again in its place). :meth:`Recording.program`
 binds it to the model's parameter and buffer slots; its :class:`RecordedCall` events run through
-``meta_init.py`` like the structural ones (dry run on meta tensors, then group by group under the shared
+``meta_init.py`` like the structural ones (dry run on meta tensors, then tensor by tensor under the shared
 seed): the same calls on tensors of the same shapes and dtypes in the same order, so the same draws as
 an eager build. A tensor is found by its meta storage: a slot's (whatever the slot holds when the call
 runs: a full view, a scratch for a dead write, a meta view in the dry run), else the real tensor the

@@ -1,20 +1,19 @@
 """Materialize a model that ``fully_shard`` sharded while its parameters were on the meta device.
 
 ``fully_shard(model, device=...)`` on a meta model allocates the shards but leaves them
-uninitialized. ``materialize_meta_module`` fills them group by group:
+uninitialized. ``materialize_meta_module`` fills them one tensor at a time:
 
-1. allocate one full, master-dtype buffer for a group (its planned layout, so every
-   parameter is a view at its planned offset),
-2. point the modules' parameter slots at those full views,
-3. replay an eager construction's initialization calls under a seed shared by all ranks
-   (so each rank computes the same full tensors): ``reset_parameters()`` of the modules
+1. replay an eager construction's initialization calls under a seed shared by all ranks
+   (so each rank computes the same whole tensors): ``reset_parameters()`` of the modules
    as their ``__init__`` calls them (leaves in module order), and for a Hugging Face
    ``PreTrainedModel`` its ``post_init`` initialization, ``_initialize_weights(module)``
    children first with the model's own ``_init_weights`` (which also recomputes
    non-persistent buffers such as the rotary ``inv_freq``); see ``init_replay.py``. Given the
    construction's recorded calls (``init_record.py``: what the Lightning strategies' init contexts
    record), those are replayed instead, which covers whatever ``__init__`` did,
-4. copy this rank's segment into ``dbuffer.sharded`` and free the buffer.
+2. a parameter is a whole, master-dtype tensor (its module slot points at it) from the first to the
+   last call that needs its value, then this rank's part of it is copied into ``dbuffer.sharded``
+   and it is freed.
 
 **What matches.** The replay makes the same calls, on tensors of the same shapes, dtypes
 and device, in the same order as ``torch.manual_seed(seed)`` followed by building the model
@@ -26,12 +25,12 @@ initialized (when ``_init_weights`` covers those tensors) but its stream is offs
 eager build on CPU matches a materialization on CPU (CUDA draws from another generator).
 
 A dry run of the calls on meta tensors (no memory, no random numbers) records which
-tensors each call writes; a write that a later call overwrites unread goes to a scratch
-tensor of the same shape (the same draws, discarded, as in eager), so a group's buffer
-lives only from its first to its last needed call: peak memory is the shards plus the
-groups being initialized (one block group, and the root group when its modules surround
-the blocks, e.g. embedding before and head after). The dry run also names the tensors
-nothing initializes.
+tensors each call reads and writes; a write that a later call overwrites unread goes to a scratch
+tensor of the same shape (the same draws, discarded, as in eager), so a parameter is whole only
+from its first to its last needed call: peak memory is the shards plus the tensors being
+initialized (one layer's for layer-by-layer ``reset_parameters``; a norm's weight set early and a
+matrix set by a later ``apply(init)`` loop do not hold a whole group between them). The dry run
+also names the tensors nothing initializes.
 """
 
 from __future__ import annotations
@@ -46,7 +45,6 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.utils import parametrize
 
-from lightning_ragged.engine.full_params import close_full, open_full
 from lightning_ragged.engine.runtime import get_state
 from lightning_ragged.engine.init_record import RecordedProgram, UnreplayableError
 from lightning_ragged.engine.init_replay import (
@@ -80,17 +78,19 @@ def shared_seed(default: int | None = None) -> int:
 
 @dataclass
 class MaterializeReport:
-    """What materialization held at once: full-buffer bytes and number of groups."""
+    """What materialization held at once: whole-tensor bytes and the groups they belong to."""
 
     peak_full_bytes: int = 0
+    """Bytes of whole tensors alive at once (each from its first to its last live call)."""
     peak_open_groups: int = 0
+    """Groups with a whole tensor alive at once."""
     largest_group_bytes: int = 0
     events: int = 0
     """Initialization calls replayed (``reset_parameters`` and Hugging Face ``_initialize_weights``)."""
     dead_writes: int = 0
     """(call, tensor) writes sent to a scratch tensor because a later call overwrites them unread."""
     traced: bool = True
-    """False when the meta dry run failed: every group was open for the whole replay."""
+    """False when the meta dry run failed: every tensor was whole for the whole replay."""
     recorded: bool = False
     """The construction's recorded calls were replayed (``init_record.py``), not the structural ones."""
 
@@ -103,7 +103,7 @@ def materialize_meta_module(
     Replays an eager construction's initialization calls (``init_replay.eager_init_events``:
     ``reset_parameters()`` of the modules as their ``__init__`` calls them, and each Hugging
     Face ``PreTrainedModel``'s ``post_init`` initialization with its own ``_init_weights``)
-    under ``seed`` (default ``shared_seed()``), group by group; the global RNG state is left
+    under ``seed`` (default ``shared_seed()``), tensor by tensor; the global RNG state is left
     untouched. With ``program`` (the construction's recorded calls, ``init_record.py``) those calls
     are replayed instead; one it cannot replay falls back to the structural calls, with a warning.
     Returns how many full-buffer bytes and groups were alive at the peak.
@@ -133,33 +133,34 @@ def materialize_meta_module(
     if trace is not None:
         _check_coverage(module, groups, trace, meta_buffers, device, recorded=program is not None)
 
-    by_id = {id(group): group for group in groups}
     key_group = {(id(b), name): group for group in groups for b in group.dbuffers for name in b.unsharded_params}
+    dbuffer_of = {(id(b), name): b for group in groups for b in group.dbuffers for name in b.unsharded_params}
     dead_in: list[set[tuple[int, str]]] = [set() for _ in events]
     accessed: list[set[Any]] = [set() for _ in events]
-    first_live: dict[int, int] = {}
-    last_live: dict[int, int] = {}
+    opens: list[list[tuple[int, str]]] = [[] for _ in events]
+    closes: list[list[tuple[int, str]]] = [[] for _ in events]
     tied_span: dict[tuple[int, str], tuple[int, int]] = {}
+    last = max(len(events) - 1, 0)
     if trace is not None:
         for key, seen in trace.accesses.items():
             for access in seen:
                 accessed[access.event].add(key)
-        for key, group in key_group.items():
+        for key in key_group:
             for index in trace.dead(key):
                 dead_in[index].add(key)
-            for index in trace.live(key):
-                first_live[id(group)] = min(first_live.get(id(group), index), index)
-                last_live[id(group)] = max(last_live.get(id(group), index), index)
+            live_events = trace.live(key)
+            if live_events:
+                opens[min(live_events)].append(key)
+                closes[max(live_events)].append(key)
         for slot in tied:
             seen = trace.accesses.get(("tied", *slot), [])
             if seen:
                 tied_span[slot] = (seen[0].event, seen[-1].event)
-    else:  # every group open for the whole replay, every slot bound at every call
-        for group in groups:
-            first_live[id(group)], last_live[id(group)] = 0, max(len(events) - 1, 0)
+    elif events:  # every tensor whole for the whole replay, every slot bound at every call
+        opens[0], closes[last] = list(key_group), list(key_group)
         for index in range(len(events)):
             accessed[index] = set(key_group) | {("tied", *slot) for slot in tied}
-        tied_span = {slot: (0, max(len(events) - 1, 0)) for slot in tied}
+        tied_span = {slot: (0, last) for slot in tied}
     slots_of: dict[Any, list[tuple[nn.Module, str]]] = {}
     for group in groups:
         for owner, attr, dbuffer, name in group.slots:
@@ -174,22 +175,25 @@ def materialize_meta_module(
             if (id(owner), attr) in tied:
                 template[("tied", id(owner), attr)] = template[(id(dbuffer), name)]
 
-    def scratch(key: Any) -> nn.Parameter:
+    def scratch(key: Any, zeros: bool = False) -> nn.Parameter:
         shape, dtype, requires_grad = template[key]
-        return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad)
+        return nn.Parameter((torch.zeros if zeros else torch.empty)(shape, dtype=dtype, device=device), requires_grad)
 
     seed = shared_seed(seed)
-    live: dict[int, dict[tuple[int, str], torch.Tensor]] = {}
+    live: dict[tuple[int, str], nn.Parameter] = {}  # whole tensors from their first to their last live call
+    live_bytes, open_in = 0, {}  # their bytes; per group, how many are whole
     tied_scratch: dict[Any, nn.Parameter] = {}
     report = MaterializeReport(largest_group_bytes=max(_group_bytes(g) for g in groups), events=len(events),
                                traced=trace is not None, recorded=program is not None)
     with _forked_rng(device), torch.no_grad():
         torch.manual_seed(seed)
         for index, event in enumerate(events):
-            for group_id in [g for g, first in first_live.items() if first == index]:
-                live[group_id] = open_full(by_id[group_id])
-            report.peak_open_groups = max(report.peak_open_groups, len(live))
-            report.peak_full_bytes = max(report.peak_full_bytes, sum(_group_bytes(by_id[g]) for g in live))
+            for key in opens[index]:
+                live[key] = scratch(key, zeros=True)
+                live_bytes += live[key].numel() * live[key].element_size()
+                open_in[id(key_group[key])] = open_in.get(id(key_group[key]), 0) + 1
+            report.peak_open_groups = max(report.peak_open_groups, len(open_in))
+            report.peak_full_bytes = max(report.peak_full_bytes, live_bytes)
             for key in accessed[index]:
                 if key[0] == "tied":  # eager's own tensor until tie_weights(): drawn into, then dropped
                     if key not in tied_scratch:
@@ -200,19 +204,36 @@ def materialize_meta_module(
                         value = scratch(key)
                         report.dead_writes += 1
                     else:
-                        value = live[id(key_group[key])][key]
+                        value = live[key]
                 else:
                     continue  # a buffer: real, written in place
                 for owner, attr in slots_of.get(key, []):
                     owner._parameters[attr] = value
             event.run()
-            for key in [k for k, (_, last) in tied_span.items() if last == index]:
+            for key in [k for k, (_, end) in tied_span.items() if end == index]:
                 tied_scratch.pop(("tied", *key), None)
-            for group_id in [g for g, last in last_live.items() if last == index]:
-                close_full(by_id[group_id], live.pop(group_id))
+            for key in closes[index]:
+                full = live.pop(key)
+                _keep_segment(dbuffer_of[key], key[1], full)
+                live_bytes -= full.numel() * full.element_size()
+                open_in[id(key_group[key])] -= 1
+                if not open_in[id(key_group[key])]:
+                    del open_in[id(key_group[key])]
+                for owner, attr in slots_of.get(key, []):
+                    owner._parameters[attr] = dbuffer_of[key].sharded_params[key[1]]
     for group in groups:  # point every module back at its shards
         group.reshard()
     return report
+
+
+def _keep_segment(dbuffer: Any, name: str, full: torch.Tensor) -> None:
+    """Copy this rank's part of parameter ``name``'s whole tensor into the DBuffer's shard."""
+    begin, numel = dbuffer.layout.offsets[name], full.numel()
+    low, high = max(begin, dbuffer.segment.start), min(begin + numel, dbuffer.segment.stop)
+    if low < high:
+        dbuffer.sharded[low - dbuffer.segment.start : high - dbuffer.segment.start].copy_(
+            full.reshape(-1)[low - begin : high - begin]
+        )
 
 
 def _group_bytes(group: ShardGroup) -> int:

@@ -7,7 +7,7 @@
 * ``fabric.setup_module(model)`` shards the model in place (``sharding.py``); build the optimizer
   from the returned module's parameters, then ``fabric.setup_optimizers``. ``fabric.setup(model,
   optimizer)`` also works: the (fresh) optimizer's parameters are replaced by their shards.
-* ``fabric.init_module(empty_init=True)`` builds on the meta device; setup materializes group by group.
+* ``fabric.init_module(empty_init=True)`` builds on the meta device; setup materializes it tensor by tensor.
 * ``fabric.no_backward_sync(model)``: no collective on the accumulating micro-batches;
   ``fabric.clip_gradients``: the global norm over the shards (``engine/grad_clip.py``).
 * ``fabric.save`` / ``fabric.load``: the Trainer's checkpoint format (``fabric_checkpoints.py``),
@@ -206,7 +206,7 @@ class RaggedFSDPFabricStrategy(RaggedParallel, ParallelStrategy):
         pass  # the shards are allocated on the root device by `fully_shard`
 
     def module_init_context(self, empty_init: Optional[bool] = None) -> AbstractContextManager:
-        """Build on the meta device with ``empty_init=True`` (materialized group by group at setup, replaying
+        """Build on the meta device with ``empty_init=True`` (materialized tensor by tensor at setup, replaying
         the calls recorded here: ``init_record.py``)."""
         stack = ExitStack()
         stack.enter_context(torch.device("meta") if empty_init else self.root_device)

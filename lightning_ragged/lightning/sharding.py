@@ -2,7 +2,7 @@
 
 Both strategies shard the same way: the HSDP process groups (``hsdp_groups``), then composable
 activation checkpointing, the move to the device, ``fully_shard`` with the strategy's knobs and
-materialization of a model built on the meta device group by group (``shard_module``). Module
+materialization of a model built on the meta device tensor by tensor (``shard_module``). Module
 classes may be named by class, dotted import path or bare class name (``resolve_classes``).
 """
 
@@ -113,7 +113,7 @@ def shard_module(
     """Checkpoint the matching modules' activations, move ``model`` to ``device`` and shard it in place.
 
     A model with meta tensors stays where it is until ``fully_shard`` has planned it, then is
-    materialized group by group (``meta_init.py``). ``cast_root_inputs=False`` leaves the root
+    materialized tensor by tensor (``meta_init.py``). ``cast_root_inputs=False`` leaves the root
     forward's inputs in their dtype under a mixed-precision policy (the Trainer's root is the
     LightningModule, whose inputs hold the targets too). ``recordings``: the strategy's init contexts'
     (``init_record.py``), replayed when they built the meta model, then emptied.

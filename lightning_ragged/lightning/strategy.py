@@ -6,7 +6,7 @@ or ``Trainer(strategy=RaggedFSDPStrategy(...))``. Thin glue over the engine:
 * ``setup`` shards the LightningModule in place with ``fully_shard`` (parameter names
   unchanged, so ``configure_optimizers`` can build parameter groups by name), after
   optional composable activation checkpointing; a model built on the meta device
-  (``Trainer.init_module(empty_init=True)``) is materialized group by group
+  (``Trainer.init_module(empty_init=True)``) is materialized tensor by tensor
   (``meta_init.py``).
 * ``training_step``/``validation_step``/... run through the module's ``forward`` hooks,
   so the root group (embeddings, head, parameters owned by the LightningModule itself)
@@ -445,7 +445,7 @@ class RaggedFSDPStrategy(RaggedParallel, ParallelStrategy):
 
     @contextmanager
     def tensor_init_context(self, empty_init: Optional[bool] = None) -> Generator[None, None, None]:
-        # Meta tensors are materialized group by group in `setup()`, replaying the calls recorded here.
+        # Meta tensors are materialized tensor by tensor in `setup()`, replaying the calls recorded here.
         device_context = torch.device("meta") if empty_init else self.root_device
         recorder = recording() if empty_init else nullcontext(None)
         with device_context, self.precision_plugin.tensor_init_context(), recorder as record:

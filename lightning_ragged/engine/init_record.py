@@ -45,6 +45,24 @@ class UnreplayableError(RuntimeError):
     """The recording cannot be replayed on this model (the structural replay is used instead)."""
 
 
+@dataclass(frozen=True)
+class Ref:
+    """A tensor as a recorded call saw it: its storage and its place in it then (``.data = ...`` may move the
+    same Python object to another storage later)."""
+
+    tensor: torch.Tensor
+    key: int
+    shape: torch.Size
+    stride: tuple[int, ...]
+    offset: int
+
+    @staticmethod
+    def of(value: Any) -> Any:
+        if not isinstance(value, torch.Tensor):
+            return value
+        return Ref(value, _key(value), value.shape, value.stride(), value.storage_offset())
+
+
 @dataclass
 class Call:
     func: Any
@@ -58,13 +76,13 @@ class Call:
 
 @dataclass
 class Recording:
-    """The calls of one construction, in order (meta tensors held, so their storages stay unique)."""
+    """The calls of one construction, in order (their tensors held, so their storages stay unique)."""
 
     calls: list[Call] = field(default_factory=list)
 
     def covers(self, module: nn.Module) -> bool:
         """Every meta parameter of ``module`` was made by a recorded call."""
-        made = {_key(t) for call in self.calls for t in _tensors(call.result) if t.is_meta}
+        made = {ref.key for call in self.calls for ref in _refs(call.result) if ref.tensor.is_meta}
         return all(_key(p) in made for p in module.parameters() if p.is_meta)
 
     def program(self, module: nn.Module, tied: set[tuple[int, str]]) -> "RecordedProgram":
@@ -72,7 +90,7 @@ class Recording:
 
         ``tied``: the slots that hold another slot's parameter (``init_replay.tied_target_slots``).
         """
-        touched = {_key(t) for call in self.calls for t in _tensors((call.args, call.kwargs, call.result))}
+        touched = {ref.key for call in self.calls for ref in _refs((call.args, call.kwargs, call.result))}
         slots: dict[int, tuple[nn.Module, str, str, torch.Tensor]] = {}
         for sub in module.modules():
             for kind, table in (("param", sub._parameters), ("buffer", sub._buffers)):
@@ -103,31 +121,29 @@ class RecordedProgram:
         self.device, self._made = torch.device(device), {}
 
     def resolve(self, value: Any) -> Any:
-        if not isinstance(value, torch.Tensor):
+        if not isinstance(value, Ref):
             return value
-        key = _key(value)
-        if key in self.slots:
-            sub, kind, attr, slot = self.slots[key]
+        if value.key in self.slots:
+            sub, kind, attr, slot = self.slots[value.key]
             base = (sub._parameters if kind == "param" else sub._buffers)[attr]
             if base.shape != slot.shape:  # not bound for this call, which only takes a view (no data access)
-                return value
+                return value.tensor
             return _view_like(base, value, slot.storage_offset())
-        made = self._made.get(key)
+        made = self._made.get(value.key)
         if made is not None:
             return _view_like(made[0], value, made[1])
-        if value.is_meta:
+        if value.tensor.is_meta:
             raise UnreplayableError(f"a meta tensor of shape {tuple(value.shape)} was made by no recorded call")
-        return value  # a real tensor from before the recording (or a legacy constructor's, then a slot's)
+        return value.tensor  # a real tensor from before the recording (or a legacy constructor's, then a slot's)
 
-    def keep(self, meta: torch.Tensor, real: torch.Tensor, fresh: bool, writes: bool) -> None:
+    def keep(self, meta: Ref, real: torch.Tensor, fresh: bool, writes: bool) -> None:
         """``real`` is what the replay made for the recorded output ``meta``: remember its storage, or copy it
         into the slot that owns it (``writes``: its values are defined)."""
-        key = _key(meta)
-        if key in self.slots:
+        if meta.key in self.slots:
             if fresh and writes:
                 self.resolve(meta).copy_(real)
-        elif fresh and key not in self._made:
-            self._made[key] = (real, meta.storage_offset())
+        elif fresh and meta.key not in self._made:
+            self._made[meta.key] = (real, meta.offset)
 
 
 class RecordedCall:
@@ -154,7 +170,7 @@ class RecordedCall:
                     raise UnreplayableError(f"{_name(call.func)} returned another structure when replayed")
                 writes = _name(call.func) not in EMPTY_FACTORIES
                 for meta, real in zip(metas, reals):
-                    if isinstance(meta, torch.Tensor) and isinstance(real, torch.Tensor):
+                    if isinstance(meta, Ref) and isinstance(real, torch.Tensor):
                         program.keep(meta, real, fresh=_key(real) not in inputs, writes=writes)
         finally:
             torch.set_default_dtype(previous)
@@ -168,11 +184,13 @@ class _Recorder(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         self.hf.ensure()
+        before = tree_map(Ref.of, (args, kwargs))  # as the call sees them (``.data = x`` moves its target)
         result = func(*args, **kwargs)
         name = _name(func)
         writes = name.endswith("_") or name == "__setitem__"
-        if name not in NOT_RECORDED and (writes or _tensors(result)) and _tensors((args, kwargs, result)):
-            self.recording.calls.append(Call(func, args, kwargs, result, torch.get_default_dtype()))
+        after = tree_map(Ref.of, result)
+        if name not in NOT_RECORDED and (writes or _refs(after)) and _refs((before, after)):
+            self.recording.calls.append(Call(func, *before, after, torch.get_default_dtype()))
         return result
 
 
@@ -182,7 +200,8 @@ def recording() -> Iterator[Recording]:
     record = Recording()
 
     def on_meta(name: str, original: Any, tensor: torch.Tensor, args: tuple, kwargs: dict) -> torch.Tensor:
-        record.calls.append(Call(original, (tensor, *args), kwargs, tensor, torch.get_default_dtype(), name))
+        before = tree_map(Ref.of, ((tensor, *args), kwargs))
+        record.calls.append(Call(original, *before, Ref.of(tensor), torch.get_default_dtype(), name))
         return tensor
 
     hf = _HFInitOnMeta()
@@ -229,15 +248,19 @@ def _tensors(tree: Any) -> list[torch.Tensor]:
     return [leaf for leaf in tree_flatten(tree)[0] if isinstance(leaf, torch.Tensor)]
 
 
+def _refs(tree: Any) -> list[Ref]:
+    return [leaf for leaf in tree_flatten(tree)[0] if isinstance(leaf, Ref)]
+
+
 def _key(tensor: torch.Tensor) -> int:
     return tensor.untyped_storage()._cdata
 
 
-def _view_like(base: torch.Tensor, meta: torch.Tensor, base_offset: int) -> torch.Tensor:
-    """The part of ``base``'s storage that ``meta`` is of the meta storage whose ``base_offset`` ``base`` stands at."""
-    if meta.shape == base.shape and meta.stride() == base.stride() and meta.storage_offset() == base_offset:
+def _view_like(base: torch.Tensor, ref: Ref, base_offset: int) -> torch.Tensor:
+    """The part of ``base``'s storage that ``ref`` was of the recorded storage whose ``base_offset`` ``base`` stands at."""
+    if ref.shape == base.shape and ref.stride == base.stride() and ref.offset == base_offset:
         return base
-    return base.as_strided(meta.shape, meta.stride(), base.storage_offset() + meta.storage_offset() - base_offset)
+    return base.as_strided(ref.shape, ref.stride, base.storage_offset() + ref.offset - base_offset)
 
 
 def bind_recordings(module: nn.Module, recordings: list[Recording]) -> RecordedProgram | None:

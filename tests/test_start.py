@@ -326,10 +326,13 @@ def check_recorded_meta_equals_eager(kind: str) -> dict:
         if kind == "data_assign":  # transformers' BertForMaskedLM: the head's bias gets new storage (.data = ...)
             # and is then replaced by the model's own; the calls before the move are replayed where they wrote
             model = nn.Sequential(nn.Linear(4, 8), nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 16)))
+            model[0].weight.data = torch.randn(8, 4)  # stays in the model, on its new storage
             model[1][1].bias.data = torch.nn.functional.pad(model[1][1].bias.data, (0, 0))
             model.bias = nn.Parameter(torch.zeros(16))
             model[1][1].bias = model.bias
             return model
+        if kind == "cast":  # Module.to(dtype) inside the init context (Module._apply: param.data = cast)
+            return nn.Sequential(nn.Linear(4, 8), nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4))).to(torch.bfloat16)
         if kind == "apply_init":  # nanoGPT's self.apply(_init_weights) after building: the norms were set while
             # the layers were built, the matrices at the end; a group-wide buffer would hold every group at once
             model = nn.Sequential(nn.Embedding(16, 8), nn.ModuleList(
@@ -359,7 +362,8 @@ def check_recorded_meta_equals_eager(kind: str) -> dict:
             "groups": len(lr.get_state(model).all_groups)}
 
 
-@pytest.mark.parametrize("kind", ["lora", "zero_head", "randn", "weight_norm", "data_assign", "apply_init", "gpt2"])
+@pytest.mark.parametrize("kind", ["lora", "zero_head", "randn", "weight_norm", "data_assign", "cast", "apply_init",
+                                  "gpt2"])
 def test_recorded_construction_replays_to_the_eager_init(dist_pool, kind: str) -> None:
     """What ``__init__`` does beyond ``reset_parameters`` and ``post_init`` is replayed from the recording (before,
     with the structural replay: LoRA's B and the zero head were not zero, ``randn`` parameters and a weight_norm

@@ -37,6 +37,9 @@ from lightning_ragged.engine.init_replay import on_meta_noop_inits, tied_target_
 
 NOT_RECORDED = frozenset({"requires_grad_", "retain_grad", "share_memory_", "register_hook", "_set_grad_enabled"})
 """Calls that change no value (autograd flags, hooks)."""
+NOT_RECORDED_SETTERS = (torch._C.TensorBase.data, torch._C.TensorBase.grad, torch._C.TensorBase.requires_grad)
+"""Attribute setters that move a tensor object to other storage or change flags, writing no value: the
+calls around them already name the storages they touch (``Ref``)."""
 EMPTY_FACTORIES = frozenset({"empty", "empty_like", "new_empty", "empty_strided", "new_empty_strided"})
 """Factories whose values are undefined: a slot's storage made by one needs no copy."""
 
@@ -126,7 +129,7 @@ class RecordedProgram:
         if value.key in self.slots:
             sub, kind, attr, slot = self.slots[value.key]
             base = (sub._parameters if kind == "param" else sub._buffers)[attr]
-            if base.shape != slot.shape:  # not bound for this call, which only takes a view (no data access)
+            if hasattr(base, "ragged_shard"):  # the shard: not bound for this call, which only takes a view
                 return value.tensor
             return _view_like(base, value, slot.storage_offset())
         made = self._made.get(value.key)
@@ -189,7 +192,8 @@ class _Recorder(TorchFunctionMode):
         name = _name(func)
         writes = name.endswith("_") or name == "__setitem__"
         after = tree_map(Ref.of, result)
-        if name not in NOT_RECORDED and (writes or _refs(after)) and _refs((before, after)):
+        setter = name == "__set__" and any(getattr(func, "__self__", None) is s for s in NOT_RECORDED_SETTERS)
+        if name not in NOT_RECORDED and not setter and (writes or _refs(after)) and _refs((before, after)):
             self.recording.calls.append(Call(func, *before, after, torch.get_default_dtype()))
         return result
 

@@ -331,6 +331,14 @@ def check_recorded_meta_equals_eager(kind: str) -> dict:
             model.bias = nn.Parameter(torch.zeros(16))
             model[1][1].bias = model.bias
             return model
+        if kind in ("devices", "real_head"):  # the meta device as a value; tensors that ignore the meta device
+            model = nn.Sequential(nn.Linear(4, 8), nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4)))
+            model.register_buffer("pe", torch.arange(8.0).to(model[0].weight.device))  # meta, positionally
+            model.register_buffer("table", model[0].weight.new_tensor([1.0, 2.0, 3.0]))  # reads no weight value
+            noise = torch.normal(0.0, 0.02, size=(8, 4)).to(model[0].weight.device)  # real draws, then to meta
+            with torch.no_grad():
+                model[0].weight.add_(noise)
+            return model
         if kind == "cast":  # Module.to(dtype) inside the init context (Module._apply: param.data = cast)
             return nn.Sequential(nn.Linear(4, 8), nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4))).to(torch.bfloat16)
         if kind == "apply_init":  # nanoGPT's self.apply(_init_weights) after building: the norms were set while
@@ -353,6 +361,9 @@ def check_recorded_meta_equals_eager(kind: str) -> dict:
     expected = {k: v.clone() for k, v in build().state_dict().items()}
     with torch.device("meta"), recording() as record:
         model = build()
+    if kind == "real_head":  # attached after the recording (a new head for fine-tuning): its values stand
+        model.head = nn.Linear(4, 3)
+        expected.update({f"head.{k}": v.clone() for k, v in model.head.state_dict().items()})
     program = bind_recordings(model, [record])
     lr.fully_shard(model, device="cpu")
     report = materialize_meta_module(model, "cpu", seed=5, program=program)
@@ -362,8 +373,8 @@ def check_recorded_meta_equals_eager(kind: str) -> dict:
             "groups": len(lr.get_state(model).all_groups)}
 
 
-@pytest.mark.parametrize("kind", ["lora", "zero_head", "randn", "weight_norm", "data_assign", "cast", "apply_init",
-                                  "gpt2"])
+@pytest.mark.parametrize("kind", ["lora", "zero_head", "randn", "weight_norm", "data_assign", "cast", "devices",
+                                  "real_head", "apply_init", "gpt2"])
 def test_recorded_construction_replays_to_the_eager_init(dist_pool, kind: str) -> None:
     """What ``__init__`` does beyond ``reset_parameters`` and ``post_init`` is replayed from the recording (before,
     with the structural replay: LoRA's B and the zero head were not zero, ``randn`` parameters and a weight_norm

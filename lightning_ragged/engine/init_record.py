@@ -95,10 +95,14 @@ class Recording:
         """
         touched = {ref.key for call in self.calls for ref in _refs((call.args, call.kwargs, call.result))}
         slots: dict[int, tuple[nn.Module, str, str, torch.Tensor]] = {}
+        kept: set[tuple[int, str]] = set()
         for sub in module.modules():
             for kind, table in (("param", sub._parameters), ("buffer", sub._buffers)):
                 for attr, tensor in table.items():
-                    if tensor is None or (id(sub), attr) in tied or not (tensor.is_meta or _key(tensor) in touched):
+                    if tensor is None or (id(sub), attr) in tied:
+                        continue
+                    if not (tensor.is_meta or _key(tensor) in touched):
+                        kept.add((id(sub), attr))  # real, from outside the recording: its values stand
                         continue
                     key = _key(tensor)
                     if key in slots:
@@ -107,14 +111,18 @@ class Recording:
                                 f"'{attr}' of {type(sub).__name__} shares its storage with another parameter or buffer")
                         continue  # one module in two places
                     slots[key] = (sub, kind, attr, tensor)
-        return RecordedProgram(self.calls, slots)
+        return RecordedProgram(self.calls, slots, kept)
 
 
 class RecordedProgram:
     """The recorded calls bound to a model's slots; ``start(device)`` before each run of its events."""
 
-    def __init__(self, calls: list[Call], slots: dict[int, tuple[nn.Module, str, str, torch.Tensor]]) -> None:
+    def __init__(self, calls: list[Call], slots: dict[int, tuple[nn.Module, str, str, torch.Tensor]],
+                 kept: set[tuple[int, str]]) -> None:
         self.slots = slots
+        self.kept = kept
+        """(id(module), attr) of the real tensors no recorded call touched (a module attached after the
+        recording): ``fully_shard`` already copied their values into the shards, nothing replays them."""
         self.events = [RecordedCall(self, call) for call in calls]
         self.device = torch.device("meta")
         self._made: dict[int, tuple[torch.Tensor, int]] = {}
@@ -124,13 +132,15 @@ class RecordedProgram:
         self.device, self._made = torch.device(device), {}
 
     def resolve(self, value: Any) -> Any:
+        if isinstance(value, torch.device) and value.type == "meta":
+            return self.device  # ``x.to(w.device)``: the device the construction ran on is the replay's
         if not isinstance(value, Ref):
             return value
         if value.key in self.slots:
             sub, kind, attr, slot = self.slots[value.key]
             base = (sub._parameters if kind == "param" else sub._buffers)[attr]
-            if hasattr(base, "ragged_shard"):  # the shard: not bound for this call, which only takes a view
-                return value.tensor
+            if hasattr(base, "ragged_shard"):  # the shard: not bound, the call reads no value (a view, new_tensor)
+                return torch.empty_strided(value.shape, value.stride, dtype=slot.dtype, device=self.device)
             return _view_like(base, value, slot.storage_offset())
         made = self._made.get(value.key)
         if made is not None:
@@ -141,12 +151,13 @@ class RecordedProgram:
 
     def keep(self, meta: Ref, real: torch.Tensor, fresh: bool, writes: bool) -> None:
         """``real`` is what the replay made for the recorded output ``meta``: remember its storage, or copy it
-        into the slot that owns it (``writes``: its values are defined)."""
+        into the slot that owns it when the recording made new storage there (``fresh``; ``writes``: its values
+        are defined). The replay may return an input where the recording copied (``x.to(meta)`` then is x)."""
         if meta.key in self.slots:
             if fresh and writes:
                 self.resolve(meta).copy_(real)
-        elif fresh and meta.key not in self._made:
-            self._made[meta.key] = (real, meta.offset)
+        elif meta.key not in self._made:  # fresh, or an alias the replay returned where the recording copied
+            self._made[meta.key] = (real, meta.offset)  # (``x.to(meta)`` made a meta copy; ``x.to(cpu)`` is x)
 
 
 class RecordedCall:
@@ -159,9 +170,9 @@ class RecordedCall:
         call, program = self.call, self.program
         func = getattr(torch.nn.init, call.init_name) if call.init_name else call.func
         args, kwargs = tree_map(program.resolve, (call.args, call.kwargs))
-        if kwargs.get("device") is not None and torch.device(kwargs["device"]).type == "meta":
+        if isinstance(kwargs.get("device"), str) and torch.device(kwargs["device"]).type == "meta":
             kwargs["device"] = program.device
-        inputs = {_key(t) for t in _tensors((args, kwargs)) if t.device == program.device}
+        inputs = {ref.key for ref in _refs((call.args, call.kwargs))}  # a result in none of them was new storage
         previous = torch.get_default_dtype()
         torch.set_default_dtype(call.default_dtype)
         try:
@@ -174,7 +185,7 @@ class RecordedCall:
                 writes = _name(call.func) not in EMPTY_FACTORIES
                 for meta, real in zip(metas, reals):
                     if isinstance(meta, Ref) and isinstance(real, torch.Tensor):
-                        program.keep(meta, real, fresh=_key(real) not in inputs, writes=writes)
+                        program.keep(meta, real, fresh=meta.key not in inputs, writes=writes)
         finally:
             torch.set_default_dtype(previous)
 
@@ -246,10 +257,6 @@ class _HFInitOnMeta:
 
 def _name(func: Any) -> str:
     return getattr(func, "__name__", "") or ""
-
-
-def _tensors(tree: Any) -> list[torch.Tensor]:
-    return [leaf for leaf in tree_flatten(tree)[0] if isinstance(leaf, torch.Tensor)]
 
 
 def _refs(tree: Any) -> list[Ref]:

@@ -131,7 +131,7 @@ def materialize_meta_module(
         trace = _dry_run(module, groups, events, tied)
     _materialize_buffers(module, device)
     if trace is not None:
-        _check_coverage(module, groups, trace, meta_buffers, device, recorded=program is not None)
+        _check_coverage(module, groups, trace, meta_buffers, device, program)
 
     key_group = {(id(b), name): group for group in groups for b in group.dbuffers for name in b.unsharded_params}
     dbuffer_of = {(id(b), name): b for group in groups for b in group.dbuffers for name in b.unsharded_params}
@@ -289,14 +289,17 @@ def _dry_run(module: nn.Module, groups: list[ShardGroup], events: list[Any],
 
 
 def _check_coverage(module: nn.Module, groups: list[ShardGroup], trace: Trace,
-                    meta_buffers: set[tuple[int, str]], device: torch.device, recorded: bool) -> None:
-    """Every parameter and meta buffer must be fully written by some call before anything reads it."""
+                    meta_buffers: set[tuple[int, str]], device: torch.device, program: RecordedProgram | None) -> None:
+    """Every parameter and meta buffer must be fully written by some call before anything reads it (but a real
+    one the recording never touched: its values are in the shards already)."""
     missing = []
     names = {id(p): n for n, p in module.named_parameters(remove_duplicate=False)}
+    kept = {(id(d), name) for g in groups for owner, attr, d, name in g.slots
+            if program is not None and (id(owner), attr) in program.kept}
     for group in groups:
         for dbuffer in group.dbuffers:
             for name, param in dbuffer.unsharded_params.items():
-                if not trace.initialized((id(dbuffer), name)):
+                if (id(dbuffer), name) not in kept and not trace.initialized((id(dbuffer), name)):
                     missing.append(names.get(id(dbuffer.sharded_params[name]), name))
     unset = [(path, sub, attr) for path, sub in module.named_modules() for attr, b in sub._buffers.items()
              if b is not None and (id(sub), attr) in meta_buffers and not trace.initialized(("buffer", id(sub), attr))]
@@ -304,16 +307,16 @@ def _check_coverage(module: nn.Module, groups: list[ShardGroup], trace: Trace,
         if not _rebuild_buffer(sub, attr, device):
             missing.append(f"{path + '.' if path else ''}{attr} (buffer)")
     if missing:
-        if recorded:
-            written = "by any call its construction made (recorded under init_module(empty_init=True))"
+        if program is not None:
+            written = "by no call its construction made (recorded under init_module(empty_init=True))"
         else:
             hf = " nor by the Hugging Face model's `_init_weights`" if has_hf_init(module) else ""
             written = f"neither by a module's `reset_parameters()`{hf}"
         parametrized = [name for name, sub in module.named_modules() if parametrize.is_parametrized(sub)]
-        hint = "" if recorded else (
-            " Built by hand on the meta device, it was replayed structurally; under `Trainer.init_module(empty_init="
-            "True)` / `fabric.init_module(empty_init=True)` the strategy records what the construction does and "
-            "replays that"
+        hint = "" if program is not None else (
+            " It was replayed structurally (built by hand on the meta device, or its recording could not be replayed: "
+            "see the warning); under `Trainer.init_module(empty_init=True)` / `fabric.init_module(empty_init=True)` "
+            "the strategy records what the construction does and replays that"
             + (f" (this model has parametrizations, e.g. weight_norm, at {', '.join(parametrized[:3])}: the "
                "structural replay does not follow them, so the tensors after them are reported too)" if parametrized
                else "")

@@ -149,3 +149,52 @@ def test_tied_subclassed_or_explicitly_grouped_embeddings_stay_in_the_root(dist_
     assert result["tied"] == ["blocks.0", "blocks.1"], result
     assert result["explicit"] == ["blocks.0", "blocks.1"], result
     assert result["subclassed"] == ["blocks.0", "blocks.1"], result
+
+
+class ReadsTableLM(UntiedLM):
+    """A head that reads the token table itself (DeBERTa-v2's MLM head), only when asked for logits."""
+
+    def forward(self, tokens: torch.Tensor, hidden_only: bool = False, fail: bool = False) -> torch.Tensor:
+        x = self.embed(tokens) + self.pos(torch.arange(tokens.shape[1]))
+        if fail:
+            raise ValueError("a forward that raises before the head (a batch-size finder's out-of-memory)")
+        for block in self.blocks:
+            x = block(x)
+        x = self.norm(x)
+        return x if hidden_only else F.linear(x, self.embed.weight)
+
+
+def check_reads_found_after_first_forwards(first: str) -> dict:
+    """``first``: "eval_hidden" (a no-grad forward that never reaches the head, Lightning's sanity check of a
+    validation_step on hidden states) or "raises" (a training forward that raises before the head); then
+    ``STEPS`` AdamW steps, against one process."""
+    torch.manual_seed(0)
+    reference = ReadsTableLM()
+    model = ReadsTableLM()
+    model.load_state_dict(reference.state_dict())
+    lr.fully_shard(model)
+    batches = make_batches(STEPS, BATCH)
+    if first == "eval_hidden":
+        with torch.no_grad():
+            model(_local(batches[0])[:, :-1], hidden_only=True)
+    else:
+        try:
+            model(_local(batches[0])[:, :-1], fail=True)
+        except ValueError:
+            pass
+    ours, theirs = torch.optim.AdamW(model.parameters(), lr=1e-2), torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    for batch in batches:
+        for net, tokens, optimizer in ((model, _local(batch), ours), (reference, batch, theirs)):
+            _loss(net, tokens).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    group = next(g for g in lr.get_state(model).groups if g.name == "embed")
+    return {"diff": _max_diff(lr.full_state_dict(model), reference), "read_outside": group.read_outside_forward}
+
+
+@pytest.mark.parametrize("first", ["eval_hidden", "raises"])
+def test_a_table_read_is_found_by_the_first_completed_training_forward(dist_pool, first):
+    """Probing goes on until a training forward completes (before: only the first forward was probed, and a
+    head reading the table later got the 1-D shard: 'mat2 must be a matrix, got 1-D tensor')."""
+    for result in dist_pool(2).run(check_reads_found_after_first_forwards, first):
+        assert result["read_outside"] and result["diff"] <= 1e-5, result

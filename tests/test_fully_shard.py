@@ -48,12 +48,21 @@ def check_training_matches_single_process(
     """5 AdamW steps sharded vs the same model on one process; returns the max abs difference.
 
     ``forwards="two"``: each step's loss sums two forwards (the local batch's halves) before one
-    backward; ``"discarded"``: a forward with gradients enabled whose graph is dropped precedes it.
+    backward; ``"discarded"``: a forward with gradients enabled whose graph is dropped precedes it;
+    ``"raised-first"``: a forward that raises in the second block comes before the optimizer is built.
     """
     data = make_batches(STEPS, batch)
     reference = make_model()
     reference_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
     model = lr.fully_shard(make_model(), **shard_kwargs)
+    if forwards == "raised-first":  # e.g. a batch-size finder's out-of-memory, caught
+        blocks = [m for m in model.modules() if isinstance(m, TinyBlock)]
+        handle = blocks[1].register_forward_pre_hook(lambda module, args: 1 / 0)
+        with pytest.raises(ZeroDivisionError):
+            lm_loss(model, _local(data[0]))
+        handle.remove()
+        shards = [hasattr(p, "ragged_shard") for p in model.parameters()]  # before: full views of two groups
+        assert all(shards), shards
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     state = lr.get_state(model)
     reduces_per_step = []
@@ -125,7 +134,7 @@ def test_training_matches_single_process(dist_pool, world_size, sharding):
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
-@pytest.mark.parametrize("forwards", ["two", "two-eval-between", "two-backwards", "discarded"])
+@pytest.mark.parametrize("forwards", ["two", "two-eval-between", "two-backwards", "discarded", "raised-first"])
 def test_forwards_without_their_own_backward_match_single_process(dist_pool, world_size, forwards):
     """Two forwards summed into one loss (each block reduced once, after its last call's backward; also with a
     no-grad forward between them), two forwards each with its own backward (each backward reduces what it ran),

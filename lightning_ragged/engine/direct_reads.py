@@ -1,4 +1,4 @@
-"""Groups whose full parameters are read outside their own forward, found in the first forward.
+"""Groups whose full parameters are read outside their own forward, found in the first training forward.
 
 A group whose backward reads no parameter (an embedding's group of its own, ``grouping.py``) is
 freed right after its forward and never re-gathered for backward. A model whose head reads the
@@ -6,13 +6,16 @@ embedding's table itself (``F.linear(h, self.embeddings.word_embeddings.weight)`
 Perceiver's masked-LM heads, with no tied ``Parameter`` to see) would then get this rank's 1-D shard;
 torch's FSDP2 avoids it only because its users leave the embedding in the root group.
 
-The first forward of a sharded model runs under :class:`DirectReadProbe`: those groups stay
-unsharded until the root's forward ends, and a torch function mode records every use of their
-full parameters outside their own forward (reading ``dtype`` or ``device`` does not count: the
+The forwards of a sharded model up to its first completed training forward run under
+:class:`DirectReadProbe`: those groups stay unsharded until the root's forward ends, and a torch
+function mode records every use of their full parameters outside their own forward (reading ``dtype`` or ``device`` does not count: the
 shards have the same). A group read outside is held from then on (``ShardGroup.held_through_forward``):
 unsharded from its forward until its backward is done (evaluation: until the root's forward ends),
 as FSDP2's root group is, so the head's backward finds the table it saved. The others are resharded
-when the probed forward ends, as they would have been after their own forward.
+when the probed forward ends, as they would have been after their own forward. Not seen: a read that
+first happens after that forward (a head used only in later steps), or one outside any forward (a
+penalty on the table in ``training_step``: it reads the shard, as every parameter read outside its
+group's forward does).
 """
 
 from __future__ import annotations
@@ -57,22 +60,25 @@ class DirectReadProbe(TorchFunctionMode):
             member.register_forward_pre_hook(opened, prepend=True), member.register_forward_hook(closed))]
 
     def start(self) -> None:
-        """The root's forward starts: the outermost call of the first forward enters the mode."""
+        """The root's forward starts: its outermost call enters the mode."""
         self._depth += 1
         if self._depth == 1:
             for group in self.groups:
                 group.held_through_forward = True
             self.__enter__()
 
-    def finish(self, grad_enabled: bool) -> None:
-        """The root's forward ended (or raised): decide which groups stay held, release the others."""
+    def finish(self, grad_enabled: bool, completed: bool) -> None:
+        """The root's forward ended (or raised: not ``completed``): decide which groups stay held, release the
+        others. Probing ends with the first training forward that completes: an evaluation forward first (a
+        sanity check returning hidden states) or a forward that raised may not have reached the head."""
         self._depth -= 1
         if self._depth > 0:
             return
         self.__exit__(None, None, None)
-        self.done = True
-        for handle in self.handles:
-            handle.remove()
+        if grad_enabled and completed:
+            self.done = True
+            for handle in self.handles:
+                handle.remove()
         for group in self.groups:
             group.held_through_forward = group.read_outside_forward
             if not group.held_through_forward and grad_enabled and group.is_unsharded:

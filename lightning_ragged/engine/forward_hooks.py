@@ -8,6 +8,7 @@ when a gradient is complete. What the hooks call is ``runtime.py``'s.
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import torch
@@ -41,12 +42,13 @@ def install_hooks(state: RaggedFSDPState) -> None:
         return state.pre_forward(root_group, args, kwargs, cast=state.cast_root_inputs)
 
     def root_post_hook(_module: nn.Module, _args: tuple, output: Any) -> Any:
+        raised = output is None and sys.exc_info()[0] is not None  # torch calls it inside its ``except``
         try:
             return state.post_forward(root_group, output) if root_group is not None else output
         finally:
             if probe is not None and not probe.done and not autograd_running():
-                probe.finish(torch.is_grad_enabled())
-            state.root_post_forward()
+                probe.finish(torch.is_grad_enabled(), completed=not raised)
+            state.root_post_forward(raised)
 
     handles = state.handles
     handles.append(root.register_forward_pre_hook(eager(root_pre_hook), with_kwargs=True))

@@ -140,11 +140,16 @@ class RaggedFSDPState:
         if self._root_depth == 1:
             self._begin_step()
 
-    def root_post_forward(self) -> None:
-        """The root's forward ended (also when it raised: the hook runs ``always_call``)."""
+    def root_post_forward(self, raised: bool = False) -> None:
+        """The root's forward ended (also when it ``raised``: the hook runs ``always_call``; then every group goes
+        back to its shards now, so ``model.parameters()`` before the next forward are the shards, not full views)."""
         if autograd_running():
             return
         self._root_depth = max(0, self._root_depth - 1)
+        if raised and self._root_depth == 0:
+            for group in self.all_groups:
+                group.members_to_run.clear()
+                group.reshard()
         if self._root_depth == 0:
             self._buffers_need_sync = torch.is_grad_enabled() and any(self.syncs(g) for g in self.all_groups)
         if self._root_depth == 0 and not torch.is_grad_enabled():  # evaluation: no backward will follow

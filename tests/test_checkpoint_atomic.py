@@ -303,6 +303,8 @@ def _frozen_peer_worker(rank: int, root: str, init_file: str, mode: str, out: st
     path = Path(root) / "frozen.ckpt"
     if rank == 1 and mode == "absent":  # never reaches the save (a callback raised on it, say)
         os.kill(os.getpid(), signal.SIGSTOP)
+    if rank == 1 and mode == "dead":  # its process ends before the save (killed, crashed)
+        os._exit(0)
     if rank == 1:  # stop this whole process in the middle of writing its shards
         from torch.distributed.checkpoint import filesystem
 
@@ -323,6 +325,7 @@ def _frozen_peer_worker(rank: int, root: str, init_file: str, mode: str, out: st
         report = {
             "raised": type(error).__name__,
             "is_collective_timeout": isinstance(error, CollectiveTimeoutError),
+            "lost": getattr(error, "lost_ranks", None),
             "message": str(error),
             "path": str(getattr(error, "path", "")),
             "collective": getattr(error, "collective", None),
@@ -338,10 +341,10 @@ def _frozen_peer_worker(rank: int, root: str, init_file: str, mode: str, out: st
 
 @pytest.fixture(scope="module")
 def frozen_peer(tmp_path_factory) -> dict[str, dict]:
-    """The scenarios at once (they mostly wait): {"async": rank 0's report, "sync": ..., "absent": ...}."""
+    """The scenarios at once (they mostly wait): {"async": rank 0's report, "sync": ..., "absent": ..., "dead": ...}."""
     context = mp.get_context("spawn")
     runs = {}
-    for name in ("async", "sync", "absent"):
+    for name in ("async", "sync", "absent", "dead"):
         root = tmp_path_factory.mktemp(f"frozen_{name}")
         init_file = tempfile.mktemp(prefix="ragged_frozen_")
         out = root / "rank0.json"
@@ -385,11 +388,18 @@ def _is_stopped(pid: int | None) -> bool | None:
         return False
 
 
-@pytest.mark.parametrize("mode", ["async", "sync", "absent"])
+@pytest.mark.parametrize("mode", ["async", "sync", "absent", "dead"])
 def test_a_frozen_peer_makes_the_survivor_raise_a_collective_timeout_naming_the_checkpoint(frozen_peer, mode) -> None:
     run = frozen_peer[mode]
     report = run["report"]
     assert run["rank0_exitcode"] == 0 and report is not None, run
+    if mode == "dead":  # the connection closed: named as a lost peer at once, not after the timeout
+        assert report["raised"] == "CheckpointPeerLostError" and report["is_collective_timeout"], report
+        assert report["lost"] == [1] and report["missing"] == [1] and report["arrived"] == [0], report
+        assert report["collective"].startswith("broadcast of rank 0's path") and "peer lost" in report["message"]
+        assert str(run["root"] / "frozen.ckpt") in report["message"], report
+        assert not os.path.lexists(run["root"] / "frozen.ckpt")
+        return
     assert run["peer_was_stopped"] is not False, "rank 1 should still be stopped (SIGSTOP), not dead"
     assert report["raised"] == "CheckpointTimeoutError" and report["is_collective_timeout"], report
     path = str(run["root"] / "frozen.ckpt")

@@ -25,7 +25,7 @@ from lightning_ragged.checkpoint.loading import load
 from lightning_ragged.checkpoint.model_state import sharded_model_state_dict
 from lightning_ragged.checkpoint.optimizer_state import NamedStateOptimizer, sharded_optimizer_state_dict
 from lightning_ragged.checkpoint.reader import CheckpointInfo, inspect_checkpoint, is_sharded_checkpoint
-from lightning_ragged.checkpoint.timeout import CheckpointTimeoutError
+from lightning_ragged.checkpoint.timeout import CheckpointPeerLostError, CheckpointTimeoutError
 from lightning_ragged.checkpoint.writer import CheckpointWriter, save, wait_for_pending_save
 
 __all__ = [
@@ -37,6 +37,7 @@ __all__ = [
     "CheckpointError",
     "CheckpointInfo",
     "CheckpointMismatchError",
+    "CheckpointPeerLostError",
     "CheckpointTimeoutError",
     "CheckpointVersionError",
     "CheckpointWriter",

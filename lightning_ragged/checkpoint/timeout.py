@@ -9,7 +9,10 @@ the process group's timeout, and the backend then raises a bare "Timed out waiti
 path, the collective (ours; inside DCP, its step and the ``torch.distributed`` call) and
 the ranks that did not arrive -- found as the engine finds them (``collective_errors.arrival_census``:
 every rank that gives up records its arrival in the store and waits a grace period for
-the others; a rank that never reached the collective never does).
+the others; a rank that never reached the collective never does). A peer whose process ended
+closes its connections instead: that becomes :class:`CheckpointPeerLostError`, the engine's
+``PeerLostError`` naming the checkpoint, with the members that did not answer afterwards
+(``collective_errors.lost_census``).
 
 Timeouts: a synchronous save runs on the default process group, created with the
 strategy's ``timeout``. An asynchronous save runs on its own gloo group (its collectives
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import re
+import time
 import traceback
 from datetime import timedelta
 from pathlib import Path
@@ -30,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_ragged.engine import collective_errors
-from lightning_ragged.engine.collective_errors import CollectiveTimeoutError
+from lightning_ragged.engine.collective_errors import CollectiveTimeoutError, PeerLostError
 
 
 class CheckpointTimeoutError(CollectiveTimeoutError):
@@ -39,6 +43,17 @@ class CheckpointTimeoutError(CollectiveTimeoutError):
     ``path``: the checkpoint; ``collective``: which one; ``missing_ranks``: the ranks that
     did not arrive; ``arrived_ranks``: those that were waiting in it; ``sequence``: the
     save's number in this process; ``step``: the training step saved (-1: unknown).
+    """
+
+    def __init__(self, message: str, *, path: Path, **kwargs: Any) -> None:
+        super().__init__(message, **kwargs)
+        self.path = path
+
+
+class CheckpointPeerLostError(PeerLostError):
+    """A collective of a checkpoint save failed because a peer's connection closed (the peer is gone).
+
+    ``path``: the checkpoint; ``lost_ranks`` (also ``missing_ranks``): the members that did not answer afterwards.
     """
 
     def __init__(self, message: str, *, path: Path, **kwargs: Any) -> None:
@@ -76,6 +91,10 @@ def is_timeout(error: BaseException) -> bool:
     return any(collective_errors.is_timeout(cause) for cause in _causes(error))
 
 
+def is_peer_lost(error: BaseException) -> bool:
+    return any(collective_errors.is_peer_lost(cause) for cause in _causes(error))
+
+
 def describe_collective(label: str, error: BaseException) -> str:
     """``label``, plus DCP's step and the torch.distributed call the error came out of, when its traceback shows them."""
     dcp_step = call = None
@@ -102,8 +121,13 @@ def translate(
     group: dist.ProcessGroup | None = None,
     note: str | None = None,
 ) -> BaseException:
-    """The :class:`CheckpointTimeoutError` for ``error`` raised in the collective ``label`` of a save to ``path``, or ``error``."""
-    if isinstance(error, CollectiveTimeoutError) or not dist.is_initialized() or not is_timeout(error):
+    """The :class:`CheckpointTimeoutError` (or, a peer's connection closed, :class:`CheckpointPeerLostError`) for
+    ``error`` raised in the collective ``label`` of a save to ``path``, or ``error``."""
+    if isinstance(error, CollectiveTimeoutError) or not dist.is_initialized():
+        return error
+    if is_peer_lost(error):
+        return _peer_lost(error, path=path, label=label, sequence=sequence, step=step, group=group, note=note)
+    if not is_timeout(error):
         return error
     members = collective_errors.global_ranks(group)
     timeout = group_timeout(group)
@@ -144,6 +168,43 @@ def translate(
         sequence=sequence,
         missing_ranks=missing,
         arrived_ranks=arrived_list,
+    )
+
+
+def _peer_lost(error: BaseException, *, path: Path, label: str, sequence: int, step: int | None,
+               group: dist.ProcessGroup | None, note: str | None) -> BaseException:
+    """A peer's connection closed in a save's collective: the members still there say so in the store (the
+    engine's census), the others are named as gone."""
+    members = collective_errors.global_ranks(group)
+    timeout = group_timeout(group)
+    seconds = timeout.total_seconds() if timeout is not None else None
+    collective = describe_collective(label, error)
+    failed_at = time.time()
+    record = {"time": failed_at, "collective": collective, "sequence": sequence, "step": step}
+    answered, store_error = collective_errors.lost_census(f"checkpoint/{path.name}/{sequence}", members, record, seconds)
+    store_lost = store_error is not None and (answered is None or len(answered) <= 1)
+    me = dist.get_rank()
+    if store_lost or answered is None:
+        lost, arrived = [], [me]
+        census = (collective_errors.store_gone_text(members, store_error or "") if store_lost
+                  else "which rank is gone is unknown (no torch.distributed store to compare notes)")
+    else:
+        arrived = sorted(answered)
+        lost = [rank for rank in members if rank not in answered]
+        census = (f"ranks {lost} did not answer after the connection closed: gone (look at their logs and the "
+                  f"scheduler's node events); ranks {arrived} are alive" if lost
+                  else f"every rank ({arrived}) answered afterwards: a network fault between live ranks")
+    message = (
+        f"checkpoint save to {path}: collective {collective} failed{f' at step {step}' if step is not None else ''} "
+        f"(save #{sequence} of this process, process group of ranks {collective_errors.short_ranks(members)}): peer "
+        f"lost, {census}. "
+        + (note or f"The save was not published: {path} still holds the previous checkpoint, if there was one. ")
+        + f"Backend error: {collective_errors.first_line(error).strip()}"
+    )
+    return CheckpointPeerLostError(
+        message, path=path, group="checkpoint", collective=collective, step=step if step is not None else -1,
+        sequence=sequence, lost_ranks=lost, arrived_ranks=arrived, store_lost=store_lost, failed_at=failed_at,
+        seconds_in_call=None,
     )
 
 

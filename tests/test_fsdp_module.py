@@ -87,20 +87,26 @@ def check_module_methods() -> dict:
     root_untouched = tuple(model.blocks[1].up.weight.shape)  # not recursive, as FSDP2
     block.reshard()
     handle = block.unshard(async_op=True)
-    handle.wait()
+    handle.wait()  # FSDP2's handle: the module computes with full parameters from here on
+    async_full = tuple(block.up.weight.shape)
+    async_values = block.up.weight.detach().clone()
+    block.reshard()
+    block.unshard()
+    same_values = torch.equal(async_values, block.up.weight)
     block.reshard()
     block.set_modules_to_forward_prefetch([model.blocks[1]])
     model.blocks[1].set_modules_to_backward_prefetch([block])
     with pytest.raises(ValueError, match="not a group of this sharded model"):
         block.set_modules_to_forward_prefetch([nn.Linear(2, 2)])
     return {"sharded": sharded_shape, "full": full_shape, "other": root_untouched,
-            "after": tuple(block.up.weight.shape)}
+            "after": tuple(block.up.weight.shape), "async_full": async_full, "same_values": same_values}
 
 
 def test_module_methods(dist_pool):
     result = dist_pool(2).run(check_module_methods)[0]
     assert result["full"] == (7, 13) and len(result["sharded"]) == 1 and len(result["other"]) == 1
     assert result["after"] == result["sharded"]
+    assert result["async_full"] == (7, 13) and result["same_values"]
 
 
 def check_loop_with_module_methods(steps: int = 3) -> dict:

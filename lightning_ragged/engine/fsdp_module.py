@@ -48,7 +48,8 @@ class FSDPModule:
     def unshard(self, async_op: bool = False) -> Any:
         """All-gather this module's own group (not the nested ones, as FSDP2) and point it at the full parameters.
 
-        With ``async_op=True`` returns a handle; ``handle.wait()`` finishes the all-gather.
+        With ``async_op=True`` returns a handle; ``handle.wait()`` finishes the all-gather and points the module at
+        the full parameters.
         """
         groups = self._ragged_own_groups()
         handle = self._ragged_fsdp_state.unshard(groups, async_op=async_op)

@@ -416,14 +416,15 @@ def autograd_running() -> bool:
 
 
 class UnshardHandle:
-    """Returned by ``module.unshard(async_op=True)``: ``wait()`` finishes the all-gathers."""
+    """Returned by ``module.unshard(async_op=True)``: ``wait()`` finishes the all-gathers and points the modules at
+    the full parameters (FSDP2's handle), as ``unshard()`` does."""
 
     def __init__(self, groups: list[ShardGroup]) -> None:
         self._groups = groups
 
     def wait(self) -> None:
         for group in self._groups:
-            group.wait_unshard()
+            group.use_unsharded()
 
 
 class _PostBackward(torch.autograd.Function):

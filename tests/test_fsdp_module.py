@@ -109,6 +109,30 @@ def test_module_methods(dist_pool):
     assert result["async_full"] == (7, 13) and result["same_values"]
 
 
+def check_optimizer_built_before_sharding() -> dict:
+    """An optimizer built before fully_shard holds the replaced parameters: its step is refused, not a silent no-op
+    (FSDP2's outcome: the parameters never change); one built after, or given the shards later, steps."""
+    model = make_model()
+    early = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    lr.fully_shard(model)
+    lm_loss(model, _local(make_batches(1, BATCH)[0])).backward()
+    with pytest.raises(ValueError, match=r"AdamW holds \d+ parameters that lightning_ragged.fully_shard replaced by "
+                                         r"its shards \(e.g. '.*'\).*Build the optimizer after fully_shard"):
+        early.step()
+    before = [p.detach().clone() for p in model.parameters()]
+    late = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    late.step()
+    moved = any(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    late.add_param_group({"params": [early.param_groups[0]["params"][0]]})  # a replaced one, added later
+    with pytest.raises(ValueError, match="AdamW holds 1 parameters"):
+        late.step()
+    return {"moved": moved}
+
+
+def test_optimizer_built_before_sharding_is_refused_at_its_step(dist_pool):
+    assert all(result["moved"] for result in dist_pool(2).run(check_optimizer_built_before_sharding))
+
+
 def check_loop_with_module_methods(steps: int = 3) -> dict:
     """An FSDP2-style accumulation loop (sync off and full parameters kept on the first micro-batch,
     explicit prefetch) against single-process training on the global batch."""

@@ -48,6 +48,7 @@ from lightning_ragged.engine.grouping import (
 )
 from lightning_ragged.layout.planner import plan
 from lightning_ragged.layout.spec import TensorSpec
+from lightning_ragged.engine.retired_params import retire
 from lightning_ragged.engine.runtime import RaggedFSDPState, get_state
 from lightning_ragged.engine.shard_group import ShardGroup
 from lightning_ragged.engine.state_sync import BufferSync, sync_params_and_buffers
@@ -277,6 +278,7 @@ def fully_shard(
 
     if sync_module_states:
         sync_params_and_buffers(target, iter(built), process_group, replicate_group)
+    retire(named for _dbuffer, dbuffer_params in built for named in dbuffer_params)
     del built
     state = RaggedFSDPState(target, _in_module_order(target, adopted + new_groups), stats)
     state.called_on = listed or [module]

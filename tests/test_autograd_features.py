@@ -113,3 +113,56 @@ def test_optimizer_in_backward_hooks_match_single_process(dist_pool, world_size,
         if variant != "unused-later":
             assert result["grads_left"] == 0, result  # every hook freed its gradient: none kept alive
         assert result["diff"] <= 1e-5, result
+
+
+class _Block(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm, self.fc = torch.nn.LayerNorm(8), torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.fc(self.norm(x)))
+
+
+class _Revisits(torch.nn.Module):
+    """Blocks called in ``order`` (a block may run twice): a call on the raw input needs no input gradient, so
+    nothing in the graph marks the end of that call's backward (a siamese network, a block revisited)."""
+
+    def __init__(self, order: tuple[int, ...]) -> None:
+        super().__init__()
+        self.order = order
+        self.blocks = torch.nn.ModuleList(_Block() for _ in range(3))
+        self.head = torch.nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for index in self.order:
+            x = self.blocks[index](x)
+        return self.head(x)
+
+
+def check_block_called_again(order: tuple[int, ...], per_block: bool) -> dict:
+    """Training with a block called on the raw input and again later, against one process on the global batch."""
+    torch.manual_seed(0)
+    reference = _Revisits(order)
+    torch.manual_seed(0)
+    sharded = _Revisits(order)
+    if per_block:  # FSDP2's call pattern
+        for block in sharded.blocks:
+            lr.fully_shard(block)
+    lr.fully_shard(sharded)
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (reference, sharded)]
+    data = torch.randn(STEPS, BATCH, 8, generator=torch.Generator().manual_seed(1))
+    for step in range(STEPS):
+        reference(data[step]).pow(2).mean().backward()
+        sharded(_local(data[step])).pow(2).mean().backward()
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad()
+    return {"diff": _params_diff(sharded, reference)}
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+@pytest.mark.parametrize("order, per_block", [((0, 1, 2, 0), False), ((0, 0, 1, 2), False), ((0, 1, 2, 0), True)])
+def test_a_block_called_on_the_raw_input_and_again_trains_as_one_process(dist_pool, world_size, order, per_block):
+    for result in dist_pool(world_size).run(check_block_called_again, order, per_block):
+        assert result["diff"] <= 1e-5, result

@@ -242,8 +242,9 @@ class RaggedFSDPState:
 
     def _register_post_backward(self, group: ShardGroup, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         inputs = tensors_requiring_grad((args, kwargs))
-        if not inputs:
-            return args, kwargs  # nothing upstream needs a gradient: finished at the end of backward
+        if not inputs:  # nothing upstream needs a gradient: no node marks the end of this call's backward
+            group.untracked_calls += 1
+            return args, kwargs
         outputs = _PostBackward.apply(self, group, *inputs)
         group.backward_nodes.append(weakref.ref(outputs[0].grad_fn))
         return replace_tensors_requiring_grad((args, kwargs), list(outputs))
@@ -311,8 +312,8 @@ class RaggedFSDPState:
     def post_backward(self, group: ShardGroup) -> None:
         """The module's backward is done: reduce its trainable DBuffers, then free its full parameters."""
         group.backward_calls -= 1
-        if group.backward_calls > 0:
-            return  # this backward runs more calls of the module; wait for the last one's
+        if group.backward_calls > 0 or group.untracked_calls:
+            return  # more calls of the module to come in this backward (an untracked one's: the end of backward)
         self._finish_group(group)
 
     def _finish_group(self, group: ShardGroup) -> None:

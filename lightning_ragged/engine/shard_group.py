@@ -69,6 +69,9 @@ class ShardGroup:
         """Of several members: those whose forward has not ended since the first of them started (``id``s)."""
         self.forward_calls = 0
         """Forward calls of this step with gradients enabled (a backward may follow)."""
+        self.untracked_calls = 0
+        """Of them, calls on inputs that need no gradient (a siamese block on raw data, a block revisited): no node
+        marks the end of their backward, so the group is reduced and resharded at the end of backward."""
         self.backward_nodes: list[weakref.ref] = []
         """The ``_PostBackward`` nodes of its calls whose graphs are alive (weakly: a dropped graph frees them)."""
         self.backward_calls = 0
@@ -187,7 +190,7 @@ class ShardGroup:
 
     def end_backward(self) -> None:
         """Forget this backward's bookkeeping (after the reductions were issued)."""
-        self.forward_calls = 0
+        self.forward_calls = self.untracked_calls = 0
         self.backward_prepared = False
 
     def reset(self) -> None:

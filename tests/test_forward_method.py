@@ -124,7 +124,6 @@ class ReluLM(TinyLM):
 
 def _checkpointed_blocks_with_a_method() -> float:
     """Blocks under torch's composable checkpoint, a block method registered before sharding."""
-    rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     reference = ReluLM()
     torch.manual_seed(0)
@@ -134,8 +133,15 @@ def _checkpointed_blocks_with_a_method() -> float:
         lr.register_fsdp_forward_method(block, "relu_forward")
         lr.fully_shard(block)
     lr.fully_shard(sharded)
+    return _train_beside(reference, sharded, steps=2)
+
+
+def _train_beside(reference: nn.Module, sharded: nn.Module, steps: int) -> float:
+    """AdamW steps of one process on the global batch and of the sharded model on this rank's part: the largest
+    parameter difference after them."""
+    rank, world = dist.get_rank(), dist.get_world_size()
     optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (reference, sharded)]
-    for tokens in make_batches(2, 2 * world):
+    for tokens in make_batches(steps, 2 * world):
         lm_loss(reference, tokens).backward()
         lm_loss(sharded, tokens[2 * rank : 2 * rank + 2]).backward()
         for optimizer in optimizers:
@@ -150,3 +156,51 @@ def test_only_the_engine_hooks_run_around_a_method(dist_pool) -> None:
     # wrong gradients, no error. fp32, 2 AdamW steps: 1e-5 as above.
     for param_diff in dist_pool(2).run(_checkpointed_blocks_with_a_method):
         assert param_diff <= 1e-5, param_diff
+
+
+class SubmoduleCheckpointLM(TinyLM):
+    """Checkpoints a function of each block's MLP submodules from the model's forward, never calling the block."""
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens) + self.pos[: tokens.shape[1]]
+        for block in self.blocks:
+            x = x + torch.utils.checkpoint.checkpoint(
+                lambda t, b=block: b.down(F.gelu(b.up(b.norm2(t)))), x, use_reentrant=False)
+        return self.head(self.norm(x))
+
+
+def _submodules_called_without_their_block() -> dict:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    tokens = make_batches(1, 2 * world)[0]
+    torch.manual_seed(0)
+    per_block = lr.fully_shard(SubmoduleCheckpointLM())  # the default: a group per block, gathered by the block
+    try:
+        lm_loss(per_block, tokens[2 * rank : 2 * rank + 2])
+        refused = "no error"
+    except RuntimeError as error:
+        refused = str(error)
+    # The fix the error names: one group for the whole model (gathered by the root's forward), vs one process.
+    torch.manual_seed(0)
+    reference = SubmoduleCheckpointLM()
+    torch.manual_seed(0)
+    whole = lr.fully_shard(SubmoduleCheckpointLM(), group_modules=())
+    param_diff = _train_beside(reference, whole, steps=3)
+    # The checks run through the first training step only: the second training forward removes them.
+    model = _shard(_make())
+    hooks = []
+    for tokens in make_batches(2, 2):
+        hooks.append(len(model.blocks[0].up._forward_pre_hooks))
+        lm_loss(model, tokens).backward()
+    hooks.append(len(model.blocks[0].up._forward_pre_hooks))
+    return {"refused": refused, "param_diff": param_diff, "hooks": hooks}
+
+
+def test_a_submodule_called_without_its_block_is_named(dist_pool) -> None:
+    # Before, torch's bare errors, different per rank ("mat2 must be a matrix", "Expected weight to be of same
+    # shape as normalized_shape"); now every rank names the module, its group and the fixes.
+    for result in dist_pool(2).run(_submodules_called_without_their_block):
+        refused = result["refused"]
+        assert "module 'blocks.0.norm2' was called while its FSDP group 'blocks.0' is sharded" in refused, refused
+        assert "register_fsdp_forward_method" in refused and "group_modules=()" in refused, refused
+        assert result["param_diff"] <= 1e-5, result  # fp32, 3 AdamW steps at lr 1e-2: this suite's 1e-5
+        assert result["hooks"] == [1, 1, 0], result

@@ -17,6 +17,7 @@ from torch import nn
 from lightning_ragged.engine.direct_reads import DirectReadProbe
 from lightning_ragged.engine.runtime import RaggedFSDPState, autograd_running, eager
 from lightning_ragged.engine.shard_group import ShardGroup
+from lightning_ragged.engine.sharded_calls import ShardedCallCheck
 
 
 def install_hooks(state: RaggedFSDPState) -> None:
@@ -32,8 +33,12 @@ def install_hooks(state: RaggedFSDPState) -> None:
     probe = DirectReadProbe(unprobed) if unprobed else None
     if probe is not None:
         state.handles += probe.handles
+    check = ShardedCallCheck(root, state.all_groups)
+    state.handles += check.handles
 
     def root_pre_hook(_module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if check.active and torch.is_grad_enabled() and not state.running and not autograd_running():
+            check.training_forward_starts()
         state.root_pre_forward()
         if probe is not None and not probe.done and not autograd_running():
             probe.start()

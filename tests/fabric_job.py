@@ -4,8 +4,9 @@
 with accumulation (``no_backward_sync``), clipping and AdamW, saves a sharded checkpoint midway,
 resumes it into a model built on the meta device, then reshards it into a second Fabric with HSDP
 (replicate_degree=2: every rank holds the whole model) that saves and reloads one full file; a third
-trains in ``precision="bf16-mixed"`` beside torch's FSDP2 with the same mixed-precision policy, and a
-fourth saves asynchronously as the script's last statement.
+trains in ``precision="bf16-mixed"`` beside torch's FSDP2 with the same mixed-precision policy; a checkpoint
+``fabric.save`` wrote under DDP resumes into a fresh model, and a last Fabric saves asynchronously as the
+script's last statement.
 Rank 0 writes every result to OUT for the test to compare with its one-process oracle.
 """
 
@@ -43,15 +44,16 @@ def train(fabric: L.Fabric, model, optimizer, batches: torch.Tensor, steps: rang
     ``ema``: a ``ShardAveragedModel`` updated after every step."""
     per_rank = BATCH // fabric.world_size
     rank = fabric.global_rank
-    stats = lr.get_state(model.module).stats
+    stats = lr.get_state(model.module).stats if isinstance(fabric.strategy, RaggedFSDPFabricStrategy) else None
     norms = []
     for step in steps:
         for micro in range(MICRO):
             tokens = batches[step, micro, rank * per_rank : (rank + 1) * per_rank]
-            before = stats.reduces
+            before = stats.reduces if stats else 0
             with fabric.no_backward_sync(model, enabled=micro < MICRO - 1):
                 fabric.backward(lm_loss(model, tokens) / MICRO)
-            REDUCES.append(stats.reduces - before)
+            if stats:
+                REDUCES.append(stats.reduces - before)
         norms.append(fabric.clip_gradients(model, optimizer, max_norm=MAX_NORM).item())
         optimizer.step()
         optimizer.zero_grad()
@@ -168,6 +170,21 @@ def main(out: Path) -> None:
 
     results["fp16_fsdp2"], results["fp16_scales_fsdp2"] = train_fsdp2(
         batches, half.global_rank, half.world_size, torch.float16, STEPS, ShardedGradScaler("cpu", **FP16_SCALER))
+
+    # a checkpoint fabric.save wrote under DDP (the user's keys, torch's optimizer state) resumes here
+    ddp = L.Fabric(accelerator="cpu", devices=2, strategy="ddp")
+    ddp.launch()
+    plain = make_model(seed=0)
+    plain, plain_optimizer = ddp.setup(plain, torch.optim.AdamW(plain.parameters(), lr=LR))
+    train(ddp, plain, plain_optimizer, batches, range(SAVE_AT))
+    ddp.save(out / "ddp.ckpt", {"model": plain, "optimizer": plain_optimizer, "step": SAVE_AT})
+    from_ddp = fabric.setup_module(make_model(seed=5))
+    from_ddp_optimizer = fabric.setup_optimizers(torch.optim.AdamW(from_ddp.parameters(), lr=LR))
+    state = {"model": from_ddp, "optimizer": from_ddp_optimizer, "step": 0}
+    results["from_ddp_remainder"] = fabric.load(out / "ddp.ckpt", state)
+    results["from_ddp_step"] = state["step"]
+    train(fabric, from_ddp, from_ddp_optimizer, batches, range(SAVE_AT, STEPS))
+    results["from_ddp"] = lr.full_state_dict(from_ddp.module)
 
     # an asynchronous save as the script's last act: Fabric has no teardown, the process just ends. The
     # interpreter joins the save's thread first, then runs atexit: there the process leaves without the

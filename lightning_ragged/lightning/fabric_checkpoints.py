@@ -121,7 +121,7 @@ def load(
     optimizer_keys = [key for key, value in state.items() if isinstance(value, Optimizer)]
     averages = _averages(state)
     if path.is_file():
-        checkpoint = read_file(path, weights_only, **trust)
+        checkpoint = _in_our_layout(read_file(path, weights_only, **trust), module_key, optimizer_keys)
         rest = rest_of_file(checkpoint)
         saved_optimizers = len(checkpoint.get("optimizer_states", []))
     else:
@@ -155,6 +155,19 @@ def load(
         else:
             state[key] = rest.pop(key)
     return rest
+
+
+def _in_our_layout(checkpoint: dict[str, Any], module_key: str, optimizer_keys: list[str]) -> dict[str, Any]:
+    """A file ``fabric.save`` wrote under another strategy (DDP, or Lightning's FSDP with a full state dict) holds
+    the user's keys: the module's state dict under ``module_key``, each optimizer's torch state dict under its key.
+    Put them where our files (and the Trainer's) hold them, with the record of the keys, so both load alike."""
+    if FORMAT_KEY in checkpoint or "state_dict" in checkpoint or module_key not in checkpoint:
+        return checkpoint
+    saved = [key for key in optimizer_keys if key in checkpoint]
+    ours = {key: value for key, value in checkpoint.items() if key != module_key and key not in saved}
+    ours.update({"state_dict": checkpoint[module_key], "optimizer_states": [checkpoint[key] for key in saved],
+                 STATE_KEYS: {"module": module_key, "optimizers": saved}})
+    return ours
 
 
 def _averages(state: State) -> list[str]:

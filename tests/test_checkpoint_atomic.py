@@ -295,9 +295,12 @@ def _frozen_peer_worker(rank: int, root: str, init_file: str, mode: str, out: st
     """Rank 1 stops: in the middle of writing its shards ("async", "sync"), or before the save ("absent")."""
     async_save = mode == "async"
     torch.set_num_threads(1)
+    # Joined under a long timeout (eight processes start at once: under load one may import torch for more than
+    # TIMEOUT_S), then the group's collectives get TIMEOUT_S.
     dist.init_process_group(
-        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=2, timeout=timedelta(seconds=TIMEOUT_S)
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=2, timeout=timedelta(seconds=CHILD_TIMEOUT_S)
     )
+    dist.distributed_c10d._set_pg_timeout(timedelta(seconds=TIMEOUT_S))
     model = lr.fully_shard(make_model(), shard_granularity="row")
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     path = Path(root) / "frozen.ckpt"

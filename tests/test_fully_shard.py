@@ -34,7 +34,7 @@ def _local(batch: torch.Tensor) -> torch.Tensor:
 def _max_diff(full: dict[str, torch.Tensor], reference: nn.Module) -> float:
     expected = reference.state_dict()
     assert full.keys() == expected.keys()
-    return max((full[key] - expected[key]).abs().max().item() for key in expected)
+    return max((full[key] - expected[key]).abs().max().item() for key in expected if expected[key].numel())
 
 
 def block_of_two_rows(name: str, param: torch.Tensor) -> int:
@@ -558,6 +558,33 @@ def test_dataclass_inputs_and_outputs_match_single_process(dist_pool, pattern):
         assert result["max_diff"] <= 1e-6, result
         assert result["cast"] == ("torch.float32", "torch.float32", 1), result
         assert result["calls"] == (3, [0, 1, 2]), result  # every block counted itself into the caller's own object
+
+
+def check_parameters_without_elements() -> float:
+    """Parameters of no elements, shaped (3, 0) and (0, 6), beside trained ones, at the default row granularity."""
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        model = make_model()
+        model.no_columns, model.no_rows = nn.Parameter(torch.zeros(3, 0)), nn.Parameter(torch.zeros(0, 6))
+        return model
+
+    reference, sharded = build(), lr.fully_shard(build())
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (reference, sharded)]
+    for batch in make_batches(2, BATCH):
+        lm_loss(reference, batch).backward()
+        lm_loss(sharded, _local(batch)).backward()
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad()
+    full = lr.full_state_dict(sharded)
+    assert full["no_columns"].shape == (3, 0) and full["no_rows"].shape == (0, 6)
+    return _max_diff(full, reference)
+
+
+def test_parameters_without_elements_train_as_single_process(dist_pool):
+    # (3, 0) at rows had granularity 0 and was refused ("granularity=0 is invalid", a knob the user never set)
+    for diff in dist_pool(2).run(check_parameters_without_elements):
+        assert diff <= 1e-5, diff  # fp32, 2 AdamW steps: this suite's tolerance
 
 
 def check_deepcopy_refused() -> dict:

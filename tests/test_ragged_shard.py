@@ -67,6 +67,9 @@ def test_granularity_policy():
     assert resolve_granularity("muon", "embed.weight", matrix) == 6  # AdamW's side: rows
     assert resolve_granularity("muon", "v", vector) == 1
     assert resolve_granularity(lambda name, p: 12, "m", matrix) == 12
+    for policy in ("element", "row", "block", "matrix", "muon", lambda name, p: 12):  # no elements: nothing to cut
+        for empty in (torch.empty(3, 0), torch.empty(0, 6), torch.empty(0)):
+            assert resolve_granularity(policy, "blocks.0.up.weight", empty) == 1  # (3, 0) at rows was 0: refused
     with pytest.raises(ValueError, match=r"shard_granularity='cols'.*'element'"):
         resolve_granularity("cols", "m", matrix)
     with pytest.raises(ValueError, match=r"returned 0 for parameter 'm'"):

@@ -40,9 +40,12 @@ def resolve_granularity(policy: GranularityPolicy, name: str, param: torch.Tenso
     one rank, "muon" keeps whole the hidden matrices Muon orthogonalizes (``is_muon_matrix``:
     zero collectives in its step; a 3-D expert stack is cut between experts, each expert whole)
     and cuts everything else (embeddings, head, vectors: the AdamW side) at rows. The result is
-    capped at the tensor's size so tiny tensors stay valid.
+    capped at the tensor's size so tiny tensors stay valid; a tensor of no elements (shape ``(3, 0)``) has
+    nothing to cut: 1.
     """
-    numel = max(param.numel(), 1)
+    if param.numel() == 0:
+        return 1
+    numel = param.numel()
     if callable(policy):
         granularity = policy(name, param)
         if not isinstance(granularity, int) or granularity < 1:

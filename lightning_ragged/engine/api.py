@@ -278,7 +278,8 @@ def fully_shard(
 
     if sync_module_states:
         sync_params_and_buffers(target, iter(built), process_group, replicate_group)
-    retire(named for _dbuffer, dbuffer_params in built for named in dbuffer_params)
+    retire((name, original, dbuffer.unsharded_params[name], dbuffer.sharded_params[name])
+           for dbuffer, dbuffer_params in built for name, original in dbuffer_params)
     del built
     state = RaggedFSDPState(target, _in_module_order(target, adopted + new_groups), stats)
     state.called_on = listed or [module]

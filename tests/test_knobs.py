@@ -309,6 +309,25 @@ def test_endpoint_bounds_idle_and_slow_connections_and_still_answers() -> None:
     assert monitor._server is None
 
 
+def test_a_taken_monitor_port_warns_and_training_goes_on() -> None:
+    # Before, the failed bind's server_close() read attributes not set yet: an AttributeError escaped the
+    # monitor's `except OSError`, failed rank 0's on_fit_start and left the other ranks waiting 60 s in a barrier.
+    from lightning_ragged.observability.monitor import Monitor
+
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen(1)
+    monitor = Monitor(None, port=holder.getsockname()[1])
+    try:
+        with pytest.warns(RuntimeWarning, match=r"cannot bind 127\.0\.0\.1:\d+ .*Address already in use.*training "
+                                                r"goes on without the /health and /metrics endpoint"):
+            monitor.start()
+        assert monitor._server is None
+    finally:
+        monitor.stop()
+        holder.close()
+
+
 @pytest.mark.parametrize(
     ("knob", "value"), [("connection_timeout", 0), ("max_connections", 0), ("max_idle_connections", True)]
 )

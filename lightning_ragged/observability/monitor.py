@@ -314,7 +314,7 @@ class _BoundedHTTPServer(WSGIServer):
         connection_timeout: float = 10.0,
         max_idle_connections: int = 64,
     ) -> None:
-        super().__init__(address, handler)
+        # Set before binding: a bind that fails (the port is taken) calls server_close(), which reads them.
         self.max_connections = max_connections
         self.connection_timeout = connection_timeout
         self.max_idle_connections = max_idle_connections
@@ -323,6 +323,7 @@ class _BoundedHTTPServer(WSGIServer):
         self._selector = selectors.DefaultSelector()
         self._stopping = threading.Event()
         self._stopped = threading.Event()
+        super().__init__(address, handler)
 
     def serve_forever(self, poll_interval: float = 0.5) -> None:
         try:

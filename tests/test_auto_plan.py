@@ -355,3 +355,42 @@ def test_plan_cli_reduce_dtype_sizes_the_gradient_buffer(capsys):
     assert memory["fp32"]["transient_peak"] - memory["bf16"]["transient_peak"] == 2 * largest
     assert main(["--config", "llama3-70b", "--world-size", "64"]) == 0  # the default is fp32, as precision="bf16-mixed"
     assert "reduce fp32" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--dbuffer-size", "0"], r"--dbuffer-size='0' must be a positive number of bytes"),  # was taken as "none"
+        (["--dbuffer-size", "10XB"], r"--dbuffer-size='10XB' is not a size"),
+        (["--plot", "/nonexistent/padding.png"], r"--plot '/nonexistent/padding.png': the folder '/nonexistent' does"),
+    ],
+)
+def test_plan_cli_refuses_bad_options(extra, message):
+    from lightning_ragged.cli.plan import main
+
+    with pytest.raises(SystemExit, match=message):
+        main(["--config", "gpt-oss-120b", "--world-size", "64"] + extra)
+
+
+@pytest.mark.parametrize("text, message", [("{bad", "is not a readable JSON file"), ("[1, 2]", "holds a JSON list")])
+def test_plan_cli_names_a_config_file_it_cannot_read(tmp_path, text, message):
+    # Before: json's traceback, or AttributeError: 'list' object has no attribute 'get'
+    from lightning_ragged.cli.plan import main
+
+    (tmp_path / "config.json").write_text(text)
+    with pytest.raises(SystemExit, match=message):
+        main(["--config", str(tmp_path), "--world-size", "2"])
+
+
+def test_plan_cli_dbuffer_size_takes_units():
+    from lightning_ragged.cli.plan import build_report, check_args, parser
+
+    reports = []
+    for size in ("5000000000", "5GB"):  # 5GB = 5 * 10**9 bytes, as --memory-budget counts
+        args = parser().parse_args(["--config", "llama3-70b", "--world-size", "64", "--dbuffer-size", size])
+        check_args(args)
+        assert args.dbuffer_size == 5_000_000_000
+        report = build_report(args)
+        reports.append([[{k: v for k, v in d.items() if "seconds" not in k} for d in g["dbuffers"]]
+                        for g in report["groups"]])
+    assert reports[0] == reports[1]

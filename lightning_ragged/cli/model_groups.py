@@ -53,7 +53,12 @@ def load_config(source: str) -> tuple[str, dict[str, Any]]:
         path = path / "config.json"
     if not path.exists():
         raise SystemExit(f"--config {source!r}: neither a preset ({', '.join(PRESETS)}) nor a config.json file")
-    config = json.loads(path.read_text())
+    try:
+        config = json.loads(path.read_text())
+    except (ValueError, OSError) as error:  # not JSON (JSONDecodeError, UnicodeDecodeError), unreadable
+        raise SystemExit(f"--config {source!r}: {path} is not a readable JSON file ({error})") from None
+    if not isinstance(config, dict):
+        raise SystemExit(f"--config {source!r}: {path} holds a JSON {type(config).__name__}, not a config object")
     config = config.get("text_config", config)  # multimodal configs nest the language model
     return path.parent.name or path.stem, config
 

@@ -29,6 +29,7 @@ import argparse
 import json
 import sys
 import time
+from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from lightning_ragged.cli.model_groups import PRESETS, ModelDescription, describe_model, load_config
@@ -342,10 +343,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--alignment", type=int, default=1, help="segment size multiple, in elements (default 1; fully_shard aligns to 16 bytes: 4 fp32 or 8 bf16 elements)")
     p.add_argument(
         "--dbuffer-size",
-        type=int,
+        metavar="BYTES",
         default=None,
-        help="split groups into DBuffers of at most this many bytes, as fully_shard(dbuffer_size=...) does "
-        "(default: one DBuffer per group)",
+        help="split groups into DBuffers of at most this many bytes (or e.g. 256MB, 256MiB), as "
+        "fully_shard(dbuffer_size=...) does (default: one DBuffer per group)",
     )
     p.add_argument(
         "--experts",
@@ -401,7 +402,14 @@ def check_args(args: argparse.Namespace) -> None:
     """Refuse bad or conflicting options before the model is built."""
     if args.world_size < 1 or (args.replicate_degree is not None and args.replicate_degree < 1):
         raise SystemExit("--world-size and --replicate-degree must be positive")
+    if args.plot and not Path(args.plot).resolve().parent.is_dir():
+        raise SystemExit(f"--plot {args.plot!r}: the folder {str(Path(args.plot).resolve().parent)!r} does not exist")
     if not args.auto:
+        if args.dbuffer_size is not None:  # fully_shard's rule: a positive number of bytes (0 was taken as "none")
+            try:
+                args.dbuffer_size = parse_bytes(args.dbuffer_size, "--dbuffer-size")
+            except ValueError as error:
+                raise SystemExit(str(error)) from None
         for flag, value in (("--memory-budget", args.memory_budget), ("--padding-target", args.padding_target)):
             if value is not None and value != DEFAULT_PADDING_TARGET:
                 raise SystemExit(f"{flag} only applies with --auto; add --auto or drop {flag}")

@@ -184,6 +184,8 @@ def test_fabric_refuses_bad_settings_before_launch() -> None:
         RaggedFSDPFabricStrategy(replicate_degree="auto")
     with pytest.raises(TypeError, match="did you mean shard_granularity='row'"):
         RaggedFSDPFabricStrategy(shard_granularty="row")
+    with pytest.raises(ValueError, match=r"replicate_degree=3 \(3\) must divide the world size 2"):  # at construction
+        L.Fabric(accelerator="cpu", devices=2, strategy=RaggedFSDPFabricStrategy(replicate_degree=3))
 
 
 class _Sharded(nn.Linear):

@@ -232,6 +232,19 @@ def test_trainer_with_a_bad_strategy_instance_fails_before_launch() -> None:
         _strategy(shard_granulrity="row")
 
 
+def test_a_replicate_degree_that_cannot_divide_the_world_fails_at_trainer_construction() -> None:
+    # Before, both processes started and failed ~13 s later, when the process groups were built.
+    import lightning as L
+
+    with pytest.raises(ValueError, match=r"replicate_degree=3 \(3\) must divide the world size 2 \(num_nodes=1 x "
+                                         r"devices=2\)"):
+        L.Trainer(accelerator="cpu", devices=2, strategy=_strategy(replicate_degree=3), logger=False)
+    with pytest.raises(ValueError, match=r"replicate_degree=4 \(4\) must divide the world size 6 \(num_nodes=2 x "
+                                         r"devices=3\)"):
+        L.Trainer(accelerator="cpu", devices=3, num_nodes=2, strategy=_strategy(replicate_degree=4), logger=False)
+    L.Trainer(accelerator="cpu", devices=2, strategy=_strategy(replicate_degree=2), logger=False)  # divides: fine
+
+
 # -------------------------------------------------------------------- bounded endpoint
 def _request_threads() -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name == "ragged-fsdp-monitor-request"]

@@ -150,6 +150,8 @@ class RaggedFSDPFabricStrategy(RaggedParallel, ParallelStrategy):
     # --------------------------------------------------------------- launching
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
+        # the world is known here (Fabric's construction): refuse an HSDP degree that cannot divide it before launch
+        replicate_degree_for(self._knobs["replicate_degree"], self.num_nodes, self.num_nodes * self.num_processes)
         if not self.cluster_environment.creates_processes_externally:
             self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
 

@@ -266,6 +266,8 @@ class RaggedFSDPStrategy(RaggedParallel, ParallelStrategy):
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
         self._validate_cluster_settings()
+        if self.replicate_degree != "auto":  # the world is known here (Trainer construction): before any launch
+            replicate_degree_for(self.replicate_degree, self.num_nodes, self.num_nodes * self.num_processes)
         # Always a launcher (as DDP): it also validates SLURM/torchrun settings when the
         # cluster creates the processes, which Lightning skips for strategies without one.
         self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)

@@ -158,9 +158,9 @@ def load(
 
 
 def _in_our_layout(checkpoint: dict[str, Any], module_key: str, optimizer_keys: list[str]) -> dict[str, Any]:
-    """A file ``fabric.save`` wrote under another strategy (DDP, or Lightning's FSDP with a full state dict) holds
-    the user's keys: the module's state dict under ``module_key``, each optimizer's torch state dict under its key.
-    Put them where our files (and the Trainer's) hold them, with the record of the keys, so both load alike."""
+    """A file ``fabric.save`` wrote under another strategy (DDP: tested) holds the user's keys: the module's state
+    dict under ``module_key``, each optimizer's torch state dict under its key. Put them where our files (and the
+    Trainer's) hold them, with the record of the keys, so both load alike."""
     if FORMAT_KEY in checkpoint or "state_dict" in checkpoint or module_key not in checkpoint:
         return checkpoint
     saved = [key for key in optimizer_keys if key in checkpoint]

@@ -394,3 +394,35 @@ def test_plan_cli_dbuffer_size_takes_units():
         reports.append([[{k: v for k, v in d.items() if "seconds" not in k} for d in g["dbuffers"]]
                         for g in report["groups"]])
     assert reports[0] == reports[1]
+
+
+def _engine_segments(policy):
+    from tests.hf_models import make_llama
+
+    model = make_llama()
+    lr.fully_shard(model, shard_granularity=policy)
+    return {group.name: [d.layout.segment_size for d in group.dbuffers] for group in lr.get_state(model).all_groups}
+
+
+def test_plan_report_resolves_name_rules_as_the_engine_does(dist_pool):
+    # Before: the report (and the auto-planner) resolved "muon" on names relative to the group, so the
+    # embedding group's 'weight' was kept whole (S 4,096, 100% padding at W=2) where the engine cuts
+    # 'model.embed_tokens.weight' into rows (S 2,048); a too-small --dbuffer-size named 'weight'
+    from lightning_ragged.cli.model_groups import ModelDescription
+    from lightning_ragged.cli.plan import plan_model
+    from lightning_ragged.engine.api import VIEW_ALIGNMENT_BYTES
+    from lightning_ragged.engine.auto_grouping import describe_groups
+    from lightning_ragged.engine.grouping import plan_groups
+    from tests.hf_models import make_llama
+
+    world = 2
+    engine, *others = dist_pool(world).run(_engine_segments, "muon")
+    assert all(other == engine for other in others)
+    description = ModelDescription("llama", describe_groups(plan_groups(make_llama(), None, 2**40)))
+    groups = plan_model(description, world, "muon", alignment=VIEW_ALIGNMENT_BYTES // 4)  # fp32, as fully_shard
+    report = {member: [b["segment_size"] for b in group["dbuffers"]]
+              for group, kind in zip(groups, description.groups) for member in kind.members}
+    assert report == engine
+    assert engine["model.embed_tokens"] == [128 * 32 // world]  # rows: the name rule saw the full name
+    with pytest.raises(ValueError, match="parameter 'model.embed_tokens.weight' needs 16384 bytes"):
+        plan_model(description, world, "muon", dbuffer_size=1000)

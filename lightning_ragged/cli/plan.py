@@ -80,7 +80,8 @@ def plan_model(
     for kind in description.groups:
         dbuffers = []
         for run in kind.runs:
-            params = [(name, nn.Parameter(torch.empty(shape, device="meta", dtype=master))) for name, shape in run]
+            params = [(kind.full_name(name), nn.Parameter(torch.empty(shape, device="meta", dtype=master)))
+                      for name, shape in run]
             dbuffers += split_into_dbuffers(params, dbuffer_size) if dbuffer_size else [params]
         planned = []
         for dbuffer in dbuffers:

@@ -66,6 +66,11 @@ class GroupKind:
     def shapes(self) -> Shapes:
         return [entry for run in self.runs for entry in run]
 
+    def full_name(self, name: str) -> str:
+        """``name`` under its first copy's module path, as ``fully_shard`` names it: policies that read
+        names (``"muon"`` keeps ``embed_tokens.weight`` in rows, a callable) then resolve what the engine does."""
+        return f"{self.members[0]}.{name}" if self.members and self.name != "root" else name
+
 
 @dataclass(frozen=True)
 class AutoGroup:
@@ -211,7 +216,7 @@ class _Search:
         self.kinds, self.world, self.budget, self.alignment, self.algorithm = kinds, world, budget, alignment, algorithm
         self.master, self.param, self.reduce, self.optimizer, self.target = master, param, reduce, optimizer, target
         self.specs = [
-            [[TensorSpec(n, math.prod(s), shape_granularity(policy, n, s, block_rows)) for n, s in run]
+            [[TensorSpec(n, math.prod(s), shape_granularity(policy, kind.full_name(n), s, block_rows)) for n, s in run]
              for run in kind.runs]
             for kind in kinds
         ]

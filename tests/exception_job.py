@@ -1,11 +1,16 @@
 """One rank raises in ``training_step`` at step 3 while the other trains on: ``python tests/exception_job.py OUT``.
 
+``python tests/exception_job.py OUT sigterm``: rank 1 alone gets SIGTERM between the forward and
+the backward of step 3 (``scancel``, preemption), while rank 0 is in the step's collectives.
+
 Run by ``tests/test_exception_agreement.py`` (Lightning's launcher, 2 gloo ranks). ``OnExceptionCheckpoint``
 would start a collective save on the failing rank alone; ``ModelCheckpoint`` saved after every step before.
 """
 
 from __future__ import annotations
 
+import os
+import signal
 import sys
 from datetime import timedelta
 from pathlib import Path
@@ -28,15 +33,29 @@ class FailsOnOneRank(LitTinyGPT):
         return super().training_step(batch, batch_idx)
 
 
+class TerminatedOnOneRank(LitTinyGPT):
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        if self.global_step == 2 and self.global_rank == 1:
+            os.kill(os.getpid(), signal.SIGTERM)  # the backward's collectives are still to come
+        return loss
+
+
 def main() -> None:
     out = Path(sys.argv[1])
+    model = TerminatedOnOneRank() if sys.argv[2:] == ["sigterm"] else FailsOnOneRank()
     L.seed_everything(0, verbose=False)
     trainer = cpu_trainer(
-        RaggedFSDPStrategy(timeout=timedelta(seconds=AGREEMENT_S)), 2, 4,
+        RaggedFSDPStrategy(timeout=timedelta(seconds=AGREEMENT_S)), 2, 6,
         callbacks=[OnExceptionCheckpoint(str(out / "on_exception")),
                    ModelCheckpoint(dirpath=str(out / "periodic"), every_n_train_steps=1, save_top_k=-1)],
     )
-    trainer.fit(FailsOnOneRank(), token_loader(4 * 2 * 4, 4))
+    try:
+        trainer.fit(model, token_loader(6 * 2 * 4, 4))
+    except BaseException as exception:
+        print(f"[rank {trainer.global_rank}] stopped at step {trainer.global_step}: {type(exception).__name__}",
+              flush=True)
+        raise
 
 
 if __name__ == "__main__":

@@ -11,7 +11,9 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from lightning_ragged.checkpoint import inspect_checkpoint
+import torch
+
+from lightning_ragged.checkpoint import consolidate, inspect_checkpoint
 from tests.test_strategy import ROOT, _clean_env
 
 HANG_S = 300  # a hang would last the process-group timeout; the job itself takes ~AGREEMENT_S + start-up
@@ -31,3 +33,24 @@ def test_one_rank_failing_alone_exits_without_a_half_save(tmp_path) -> None:
     periodic = sorted((tmp_path / "periodic").iterdir())  # the checkpoints of the completed steps stay valid
     assert [p.name for p in periodic] == ["epoch=0-step=1.ckpt", "epoch=0-step=2.ckpt"], periodic
     assert inspect_checkpoint(periodic[-1]).meta["global_step"] == 2
+
+
+def test_sigterm_on_one_rank_mid_step_stops_every_rank_at_the_same_batch(tmp_path) -> None:
+    # Before (Lightning's handler): rank 1 broadcast inside the handler while rank 0 was in the step's
+    # all-gather; both waited the whole timeout, then OnExceptionCheckpoint failed on the broken group
+    # (CheckpointPeerLostError) and nothing was written. Now both stop after that step and it is saved.
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "exception_job.py"), str(tmp_path), "sigterm"],
+                          env=_clean_env(OMP_NUM_THREADS="1"), cwd=ROOT, capture_output=True, text=True,
+                          timeout=HANG_S)
+    log = proc.stdout + proc.stderr
+    for rank in (0, 1):
+        assert f"[rank {rank}] stopped at step 3: SIGTERMException" in log, log[-3000:]
+    assert "Timed out" not in log and "not every rank" not in log, log[-3000:]
+    saved = tmp_path / "on_exception" / "on_exception.ckpt"
+    assert inspect_checkpoint(saved).meta["global_step"] == 3
+    # the oracle: the same step saved by ModelCheckpoint on the normal path
+    ours, periodic = (consolidate(path, tmp_path / f"{name}.pt") for name, path in
+                      (("ours", saved), ("periodic", tmp_path / "periodic" / "epoch=0-step=3.ckpt")))
+    ours, periodic = (torch.load(path, weights_only=True)["state_dict"] for path in (ours, periodic))
+    assert ours.keys() == periodic.keys()
+    assert all(torch.equal(ours[key], periodic[key]) for key in ours)

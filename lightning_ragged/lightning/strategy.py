@@ -54,6 +54,7 @@ from lightning_ragged.lightning.exception_agreement import add_exception_agreeme
 from lightning_ragged.lightning.knobs import check_strategy_knobs, without_fsdp2_defaults
 from lightning_ragged.engine.torch_state_dict import hook_optimizer
 from lightning_ragged.lightning.preemption import attach as attach_slurm_requeue
+from lightning_ragged.lightning.sigterm import attach as attach_sigterm
 from lightning_ragged.lightning.model_summary import use_global_parameter_counts
 from lightning_ragged.lightning.parallel import RaggedParallel
 from lightning_ragged.lightning.precision import to_ragged_precision
@@ -337,6 +338,7 @@ class RaggedFSDPStrategy(RaggedParallel, ParallelStrategy):
         # SLURM auto-requeue: Lightning registers its signal handlers right after `setup`; the requeue
         # signal then only sets a flag that all ranks agree on at a batch end (preemption.py, issue 10).
         attach_slurm_requeue(trainer, self.cluster_environment)
+        attach_sigterm(trainer)  # SIGTERM, too, only sets a flag that all ranks agree on at a batch end
         self.alone_in_exception = False
         add_exception_agreement(trainer, self._timeout)  # no collective save while one rank raised alone
         use_global_parameter_counts(trainer)  # ModelSummary counts unsharded parameters, not this rank's shards

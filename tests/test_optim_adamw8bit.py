@@ -85,6 +85,29 @@ def test_adamw8bit_tracks_fp32_adamw():
     assert ours.state[weight]["exp_avg_scales"].shape == (4,)  # 800 elements → 4 blocks of 256
 
 
+def test_adamw8bit_small_gradient_beside_a_large_one_moves_at_most_adams_bound():
+    # A rare token's row: a gradient 1e-4 of its block's largest, once, then 0. Its second moment was
+    # rounded to 0 beside a first moment that was not: p moved -69.7 in 3 steps (torch's AdamW: -0.022).
+    # Adam's step is at most lr * (1 - beta1) / sqrt(1 - beta2) (Kingma & Ba, section 2.1).
+    lr, betas, steps = 1e-2, (0.9, 0.999), 3
+    moved = {}
+    for name, cls, extra in (("ours", AdamW8bit, dict(block_size=256)), ("torch", torch.optim.AdamW, {})):
+        param = nn.Parameter(torch.zeros(256))
+        optimizer = cls([param], lr=lr, betas=betas, weight_decay=0.0, **extra)
+        for step in range(steps):
+            param.grad = torch.zeros(256)
+            param.grad[0] = 1.0
+            param.grad[1] = 1e-4 if step == 0 else 0.0
+            optimizer.step()
+        moved[name] = param.detach()
+    bound = steps * lr * (1 - betas[0]) / (1 - betas[1]) ** 0.5
+    assert moved["ours"][1].abs() <= bound and moved["torch"][1].abs() <= bound
+    assert torch.sign(moved["ours"][1]) == torch.sign(moved["torch"][1])  # the same direction, a smaller step
+    assert (moved["ours"][0] - moved["torch"][0]).abs() < 1e-3  # the large element: quantization error only
+    codes, scales = quantize_blockwise(torch.tensor([1.0, 1e-12, 0.0]), 256, signed=False)
+    assert dequantize_blockwise(codes, scales, 256, signed=False).tolist() == [1.0, pytest.approx(3.25e-7), 0.0]
+
+
 def test_quantization_of_a_block_aligned_shard_equals_the_full_tensor():
     assert len(set(dynamic_map(True))) == 256 and len(set(dynamic_map(False))) == 256
     values = torch.randn(1000)
@@ -95,17 +118,26 @@ def test_quantization_of_a_block_aligned_shard_equals_the_full_tensor():
     assert (restored - values).abs().max() < 0.02 * values.abs().max()
 
 
-def adamw8bit_on_element_shards():
+def adamw8bit_on_element_shards(later: bool):
     model = fully_shard(make_mlp(), shard_granularity="element")
     try:
-        AdamW8bit(model.parameters())
+        if later:  # as Lightning's BaseFinetuning.unfreeze_and_add_param_group; before, accepted silently
+            optimizer = AdamW8bit([nn.Parameter(torch.zeros(256))])
+            groups = len(optimizer.param_groups)
+            try:
+                optimizer.add_param_group({"params": list(model.parameters())})
+            finally:
+                assert len(optimizer.param_groups) == groups  # a refused group leaves the optimizer as it was
+        else:
+            AdamW8bit(model.parameters())
     except RaggedShardBoundaryViolation as error:
         return str(error)
     return None
 
 
-def test_misaligned_block_raises(dist_pool):
-    messages = dist_pool(2).run(adamw8bit_on_element_shards)
+@pytest.mark.parametrize("later", [False, True], ids=["constructor", "add_param_group"])
+def test_misaligned_block_raises(dist_pool, later):
+    messages = dist_pool(2).run(adamw8bit_on_element_shards, later)
     assert messages[0] is not None and messages[0] == messages[1]
     assert messages[0].startswith("RaggedShard boundary violation:") and "256" in messages[0]
 

@@ -61,11 +61,22 @@ class AdamW8bit(RaggedOptimizer):
         if not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"block_size={block_size!r} must be a positive int")
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, block_size=block_size))
-        for group in self.param_groups:
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """torch's ``add_param_group`` (the constructor's groups come through here too), refusing a shard
+        cut inside a block when it is added (Lightning's ``BaseFinetuning`` adds groups mid-run)."""
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        try:
             for param in group["params"]:
                 self.shard(param).require_blocks(
                     group["block_size"], f"AdamW8bit (8-bit moments quantized in blocks of {group['block_size']})"
                 )
+        except ValueError:
+            self.param_groups.pop()  # a refused group leaves the optimizer as it was
+            for param in group["params"]:
+                self._param_names.pop(id(param), None)
+            raise
 
     def state_layout(self, param: torch.Tensor) -> dict[str, str]:
         block = f"blocks:{self.group_of(param)['block_size']}"

@@ -5,6 +5,14 @@ nearest entry of a 256-entry *dynamic* (tree) quantization map: roughly logarith
 small values — most of Adam's moments — keep relative precision. The signed map stores the
 first moment, the unsigned map the second. Every operation is per element or per block, so
 quantizing a shard whose start is block-aligned gives exactly the codes the full tensor gets.
+
+The unsigned map never rounds a positive value to 0: its smallest code (3.25e-7 of the block's
+maximum) is a floor. Adam divides by the square root of the second moment, and an element whose
+squared gradient is below ~1.6e-7 of its block's largest (a rare token's embedding row beside a
+frequent one's) would otherwise get ``v = 0`` beside a first moment that is not 0: an update of
+``lr * m / eps``, thousands of times ``lr`` (the "zero-point problem" of Li et al., 2023, *Memory
+Efficient Optimizers with 4-bit States*). The floor makes such a ``v`` larger than it is, so the
+update is smaller than AdamW's, never larger.
 """
 
 from __future__ import annotations
@@ -61,7 +69,10 @@ def quantize_blockwise(values: torch.Tensor, block_size: int, signed: bool) -> t
     scales = padded.abs().amax(dim=1)
     normalized = padded / torch.where(scales > 0, scales, torch.ones_like(scales)).unsqueeze(1)
     _, midpoints = _tables(signed, flat.device)
-    codes = torch.bucketize(normalized, midpoints).to(torch.uint8)
+    codes = torch.bucketize(normalized, midpoints)
+    if not signed:  # a positive value keeps at least the smallest positive code (see the module doc)
+        codes = torch.where(normalized > 0, codes.clamp(min=1), codes)
+    codes = codes.to(torch.uint8)
     return codes.view(-1)[: flat.numel()].view(values.shape), scales
 
 

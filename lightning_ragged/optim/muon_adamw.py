@@ -11,7 +11,7 @@ this with two param groups (``muon_param_groups(self)`` builds them)::
 
 Groups with ``use_muon=True`` follow ``Muon`` (same keys and defaults; keyword arguments such as
 ``qkv_heads`` go to ``Muon``); the others follow
-``torch.optim.AdamW`` (``lr``, ``betas``, ``eps``, ``weight_decay``), stepped by torch's own
+``torch.optim.AdamW`` (``lr``, ``betas``, ``eps``, ``weight_decay``, ``amsgrad``, ``maximize``), stepped by torch's own
 functional ``torch.optim.adamw.adamw`` with AdamW's defaults, element-wise on the local
 shards, so any granularity works.
 """
@@ -26,7 +26,7 @@ from torch.optim.adamw import adamw
 from lightning_ragged.optim.muon import Muon, split_muon_params
 from lightning_ragged.optim.shards import local_flat
 
-ADAMW_DEFAULTS = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2)
+ADAMW_DEFAULTS = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False, maximize=False)
 
 
 def muon_param_groups(
@@ -69,7 +69,8 @@ class MuonWithAuxAdamW(Muon):
         return group["params"] if group["use_muon"] else []
 
     def state_layout(self, param: torch.Tensor) -> dict[str, str]:
-        return {"momentum_buffer": "flat", "step": "scalar", "exp_avg": "flat", "exp_avg_sq": "flat"}
+        return {"momentum_buffer": "flat", "step": "scalar", "exp_avg": "flat", "exp_avg_sq": "flat",
+                "max_exp_avg_sq": "flat"}
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
@@ -82,7 +83,7 @@ class MuonWithAuxAdamW(Muon):
 
     def _adamw_group(self, group: dict[str, Any]) -> None:
         """``torch.optim.AdamW``'s step (its functional, its defaults) on the local flat shards."""
-        params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
+        params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps = [], [], [], [], [], []
         for param in group["params"]:
             if param.grad is None:
                 continue
@@ -92,13 +93,18 @@ class MuonWithAuxAdamW(Muon):
                 state["step"] = torch.tensor(0.0)
                 state["exp_avg"] = torch.zeros_like(flat)
                 state["exp_avg_sq"] = torch.zeros_like(flat)
+            if group["amsgrad"] and "max_exp_avg_sq" not in state:
+                state["max_exp_avg_sq"] = torch.zeros_like(flat)
             params.append(flat)
             grads.append(local_flat(param.grad))
             exp_avgs.append(state["exp_avg"])
             exp_avg_sqs.append(state["exp_avg_sq"])
+            if group["amsgrad"]:
+                max_exp_avg_sqs.append(state["max_exp_avg_sq"])
             steps.append(state["step"])
         beta1, beta2 = group["betas"]
         adamw(
-            params, grads, exp_avgs, exp_avg_sqs, [], steps, amsgrad=False, beta1=beta1, beta2=beta2,
-            lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"], maximize=False,
+            params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, amsgrad=group["amsgrad"], beta1=beta1,
+            beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"],
+            maximize=group["maximize"],
         )

@@ -2,6 +2,7 @@
 
 ``python tests/exception_job.py OUT sigterm``: rank 1 alone gets SIGTERM between the forward and
 the backward of step 3 (``scancel``, preemption), while rank 0 is in the step's collectives.
+``... OUT out-of-step``: rank 1 alone enters a barrier at step 3; both ranks time out, in different collectives.
 
 Run by ``tests/test_exception_agreement.py`` (Lightning's launcher, 2 gloo ranks). ``OnExceptionCheckpoint``
 would start a collective save on the failing rank alone; ``ModelCheckpoint`` saved after every step before.
@@ -18,6 +19,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import lightning.pytorch as L  # noqa: E402
+import torch  # noqa: E402
 from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint  # noqa: E402
 
 from lightning_ragged import RaggedFSDPStrategy  # noqa: E402
@@ -41,9 +43,20 @@ class TerminatedOnOneRank(LitTinyGPT):
         return loss
 
 
+class OutOfStepOnOneRank(LitTinyGPT):
+    def training_step(self, batch, batch_idx):
+        if self.global_step == 2 and self.global_rank == 1:
+            torch.distributed.barrier()  # a collective rank 0 never enters: both time out, in different ones
+        return super().training_step(batch, batch_idx)
+
+
+MODELS = {"raise": FailsOnOneRank, "sigterm": TerminatedOnOneRank, "out-of-step": OutOfStepOnOneRank}
+
+
 def main() -> None:
     out = Path(sys.argv[1])
-    model = TerminatedOnOneRank() if sys.argv[2:] == ["sigterm"] else FailsOnOneRank()
+    mode = sys.argv[2] if len(sys.argv) > 2 else "raise"
+    model = MODELS[mode]()
     L.seed_everything(0, verbose=False)
     trainer = cpu_trainer(
         RaggedFSDPStrategy(timeout=timedelta(seconds=AGREEMENT_S)), 2, 6,

@@ -54,3 +54,20 @@ def test_sigterm_on_one_rank_mid_step_stops_every_rank_at_the_same_batch(tmp_pat
     ours, periodic = (torch.load(path, weights_only=True)["state_dict"] for path in (ours, periodic))
     assert ours.keys() == periodic.keys()
     assert all(torch.equal(ours[key], periodic[key]) for key in ours)
+
+
+def test_ranks_out_of_step_after_a_failed_collective_skip_the_exception_save(tmp_path) -> None:
+    # Every rank raised, but in different collectives (a barrier only rank 1 called): before, the agreement
+    # passed and OnExceptionCheckpoint's first collective paired with a stale one, failing after the save
+    # timeout with a misleading "CheckpointPeerLostError ... a network fault between live ranks"
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "exception_job.py"), str(tmp_path), "out-of-step"],
+                          env=_clean_env(OMP_NUM_THREADS="1"), cwd=ROOT, capture_output=True, text=True,
+                          timeout=HANG_S)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode != 0, log[-3000:]
+    for rank, error in ((0, "CollectiveTimeoutError: collective all_gather"), (1, "RuntimeError: [")):
+        assert f"[rank {rank}] RaggedFSDPStrategy: a collective failed on ranks [0, 1] (here: {error}" in log, log[-3000:]
+    assert "CheckpointPeerLostError" not in log, log[-3000:]
+    assert not (tmp_path / "on_exception").exists() or not any((tmp_path / "on_exception").iterdir())
+    periodic = sorted((tmp_path / "periodic").iterdir())  # the checkpoints of the completed steps stay valid
+    assert [p.name for p in periodic] == ["epoch=0-step=1.ckpt", "epoch=0-step=2.ckpt"], periodic

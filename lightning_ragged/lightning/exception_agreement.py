@@ -8,23 +8,34 @@ checkpoint callbacks run, each rank handling an exception checks, on a gloo grou
 with a bounded wait, that all ranks are handling one (``dist.monitored_barrier``). If some are
 not, this rank's saves and barriers are skipped with a warning naming them, and the exception
 propagates: the process exits, the waiting ranks' collectives fail, and they take the same path.
-When every rank raised (Ctrl+C, the same error everywhere) the checkpoint is written as usual.
+When every rank raised (Ctrl+C, the same error everywhere) the checkpoint is written as usual,
+unless a collective failed on some rank (a timeout, a lost peer: ranks waiting in different
+collectives, e.g. a collective only some ranks call): the default group is then out of step, a
+save's first collective would pair with a stale one and fail with a misleading error, so the saves
+are skipped with a warning naming those ranks and their errors, and the exceptions propagate.
 """
 
 from __future__ import annotations
 
+import re
 import sys
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Optional
 
+import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
+
+from lightning_ragged.engine.collective_errors import PEER_LOST_PATTERNS, TIMEOUT_PATTERNS, CollectiveTimeoutError
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
 AGREEMENT_TIMEOUT = timedelta(seconds=60)
 """How long a rank handling an exception waits for the others (at most the process-group timeout)."""
+
+_BACKEND = re.compile(r"gloo|nccl|c10d|ProcessGroup|pair closure|watchdog", re.IGNORECASE)
+"""Marks of a backend's error (a bare ``RuntimeError`` from a collective), not a user's "timed out"."""
 
 _GROUPS: dict[int, dist.ProcessGroup] = {}
 """The agreement's gloo group, per default process group (built once, at a run's setup)."""
@@ -44,7 +55,7 @@ def agreement_group(timeout: timedelta) -> Optional[dist.ProcessGroup]:
 
 
 class ExceptionAgreement(Callback):
-    """Runs first among ``on_exception`` callbacks; sets ``strategy.alone_in_exception`` where ranks disagree."""
+    """Runs first among ``on_exception`` callbacks; sets ``strategy.out_of_step`` where ranks disagree."""
 
     def __init__(self, timeout: Optional[timedelta]) -> None:
         self.timeout = min(timeout, AGREEMENT_TIMEOUT) if timeout is not None else AGREEMENT_TIMEOUT
@@ -56,7 +67,7 @@ class ExceptionAgreement(Callback):
         try:
             dist.monitored_barrier(group=self.group, timeout=self.timeout, wait_all_ranks=True)
         except RuntimeError as error:
-            trainer.strategy.alone_in_exception = True
+            trainer.strategy.out_of_step = True
             print(
                 f"[rank {dist.get_rank()}] RaggedFSDPStrategy: {type(exception).__name__} on this rank, but not every "
                 f"rank is handling an exception (waited at most {self.timeout.total_seconds():.0f} s: {error}); checkpoints "
@@ -66,6 +77,41 @@ class ExceptionAgreement(Callback):
                 file=sys.stderr,
                 flush=True,
             )
+            return
+        failed = _failed_collective(exception)
+        flags = torch.zeros(dist.get_world_size(self.group), dtype=torch.int32)
+        flags[dist.get_rank(self.group)] = failed is not None
+        try:
+            dist.all_reduce(flags, group=self.group)
+        except RuntimeError:
+            flags[:] = 1  # the agreement's own group failed: nothing collective can be trusted
+        if flags.any():
+            trainer.strategy.out_of_step = True
+            ranks = flags.nonzero().flatten().tolist()
+            print(
+                f"[rank {dist.get_rank()}] RaggedFSDPStrategy: a collective failed on ranks {ranks}"
+                f"{f' (here: {type(failed).__name__}: {str(failed)[:300]})' if failed is not None else ''}; the ranks "
+                "are out of step in the process group, so checkpoints from on_exception callbacks "
+                "(OnExceptionCheckpoint) are skipped: their collectives would pair with stale ones. The exception is "
+                "re-raised. The last completed checkpoint stays valid.",
+                file=sys.stderr,
+                flush=True,
+            )
+
+
+def _failed_collective(exception: BaseException) -> Optional[BaseException]:
+    """The collective failure (a timeout, a lost peer) in ``exception``'s cause chain, if any."""
+    seen: set[int] = set()
+    error: Optional[BaseException] = exception
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        text = str(error) if isinstance(error, RuntimeError) else ""
+        if isinstance(error, (CollectiveTimeoutError, dist.DistError)) or (
+            _BACKEND.search(text) and (TIMEOUT_PATTERNS.search(text) or PEER_LOST_PATTERNS.search(text))
+        ):
+            return error
+        error = error.__cause__ or error.__context__
+    return None
 
 
 def add_exception_agreement(trainer: "pl.Trainer", timeout: Optional[timedelta]) -> None:

@@ -127,8 +127,9 @@ class RaggedFSDPStrategy(RaggedParallel, ParallelStrategy):
 
     strategy_name = "ragged_fsdp"
 
-    alone_in_exception = False
-    """Set while this rank handles an exception the other ranks do not (``exception_agreement.py``)."""
+    out_of_step = False
+    """Set while the ranks cannot run a collective together: this rank handles an exception the others do
+    not, or a collective failed (``exception_agreement.py``). Saves and barriers are then skipped."""
 
     averages_shards = True
     """``WeightAveraging`` callbacks average this strategy's shards (``weight_averaging.py``)."""
@@ -339,7 +340,7 @@ class RaggedFSDPStrategy(RaggedParallel, ParallelStrategy):
         # signal then only sets a flag that all ranks agree on at a batch end (preemption.py, issue 10).
         attach_slurm_requeue(trainer, self.cluster_environment)
         attach_sigterm(trainer)  # SIGTERM, too, only sets a flag that all ranks agree on at a batch end
-        self.alone_in_exception = False
+        self.out_of_step = False
         add_exception_agreement(trainer, self._timeout)  # no collective save while one rank raised alone
         use_global_parameter_counts(trainer)  # ModelSummary counts unsharded parameters, not this rank's shards
         refuse_unsupported_callbacks(trainer)
@@ -496,7 +497,7 @@ class RaggedFSDPStrategy(RaggedParallel, ParallelStrategy):
         return self._all_reduce(tensor, group, reduce_op)
 
     def barrier(self, *args: Any, **kwargs: Any) -> None:
-        if not self.alone_in_exception:  # the others are not coming (exception_agreement.py)
+        if not self.out_of_step:  # the others are not coming (exception_agreement.py)
             super().barrier(*args, **kwargs)
 
     # ---------------------------------------------------------- checkpoints
@@ -504,14 +505,14 @@ class RaggedFSDPStrategy(RaggedParallel, ParallelStrategy):
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """DTensor views of this rank's shards (no gather); every rank calls it and writes its own part."""
         assert self.model is not None
-        if self.alone_in_exception:
+        if self.out_of_step:
             return {}
         return self.ragged_checkpoints.state_dict(self.model)
 
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         """The optimizer's state keyed by parameter names, per-parameter states as DTensors of the shards."""
         assert self.model is not None
-        if self.alone_in_exception:
+        if self.out_of_step:
             return {}
         return self.ragged_checkpoints.optimizer_state(self.model, optimizer)
 
@@ -519,7 +520,7 @@ class RaggedFSDPStrategy(RaggedParallel, ParallelStrategy):
         self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None
     ) -> None:
         """Collective: a sharded directory (or, with ``state_dict_type="full"``, one file), written atomically."""
-        if self.alone_in_exception:  # this rank raised alone: nothing is written (exception_agreement.py)
+        if self.out_of_step:  # nothing is written (exception_agreement.py)
             return
         self.ragged_checkpoints.state_dict_type = self.state_dict_type
         self.ragged_checkpoints.save(checkpoint, filepath, storage_options)  # every rank writes to rank 0's path

@@ -266,6 +266,21 @@ kill -TERM $(cat "{pids}")
 """
 
 
+def test_a_stuck_scontrol_is_a_failed_requeue(tmp_path: Path, monkeypatch) -> None:
+    # Before: rank 0 waited for scontrol without a limit while the other ranks waited in the broadcast of
+    # its answer, until the process-group timeout
+    from lightning_ragged.lightning import preemption
+
+    scontrol = tmp_path / "scontrol"
+    scontrol.write_text("#!/bin/sh\nsleep 60\n")
+    scontrol.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("SLURM_JOB_ID", "4711")
+    monkeypatch.delenv("SLURM_ARRAY_JOB_ID", raising=False)
+    monkeypatch.setattr(preemption, "SCONTROL_TIMEOUT_S", 0.5)
+    assert preemption._requeue_job() is False
+
+
 def test_deferred_requeue_with_fake_slurm(tmp_path: Path) -> None:
     """No Slurm needed: SLURM variables, a fake ``scontrol``, SIGUSR1 sent to *one* rank at a time.
 

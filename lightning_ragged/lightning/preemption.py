@@ -54,6 +54,7 @@ import re
 import signal
 import subprocess
 import threading
+import time
 from types import FrameType
 from typing import Any, Optional
 
@@ -70,6 +71,9 @@ import lightning.pytorch as pl
 log = logging.getLogger(__name__)
 
 SIGTERM_WAIT_S = 5.0
+SIGTERM_POLL_S = 0.05
+SCONTROL_TIMEOUT_S = 30.0
+"""How long rank 0 waits for ``scontrol requeue`` (the other ranks wait for its answer in a broadcast)."""
 """How long a rank waits, after a successful requeue, for the SIGTERM with which Slurm ends the job."""
 
 
@@ -111,7 +115,6 @@ class SLURMRequeue(Callback):
         self._step_at_batch_start: Optional[int] = None
         self._rng_states_to_save: Optional[list[dict[str, Any]]] = None
         self._rng_states_to_restore: Optional[dict[str, Any]] = None
-        self._sigterm_seen = threading.Event()
 
     # ------------------------------------------------------------------ the signal
     def handle_signal(self, signum: int, frame: Optional[FrameType]) -> None:
@@ -183,7 +186,9 @@ class SLURMRequeue(Callback):
         self.requeued = True
         # Slurm ends the allocation with SIGTERM right after the requeue; take it while our
         # handler is installed, so the process leaves with status 0 instead of being killed later.
-        self._sigterm_seen.wait(self.sigterm_wait_s)
+        deadline = time.monotonic() + self.sigterm_wait_s
+        while not self.sigterm_after_requeue and time.monotonic() < deadline:
+            time.sleep(SIGTERM_POLL_S)  # a plain flag: a lock taken in the handler could be this thread's own
         raise RequeueExit(f"SLURM job requeued after saving {path} at step {trainer.global_step}")
 
     def _absorb_sigterm(self) -> Any:
@@ -201,7 +206,6 @@ class SLURMRequeue(Callback):
         # The checkpoint is complete and the job requeued: nothing is left to do but exit, and no
         # collective may run inside a signal handler. Lightning's teardown restores the old handler.
         self.sigterm_after_requeue = True
-        self._sigterm_seen.set()
 
     # ------------------------------------------------------------- checkpoint state
     def state_dict(self) -> dict[str, Any]:
@@ -270,9 +274,13 @@ def _requeue_job() -> bool:
     cmd = ["scontrol", "requeue", job_id]
     log.info(f"requeing job {job_id}...")
     try:
-        result = subprocess.call(cmd)
-    except FileNotFoundError:
-        result = subprocess.call(" ".join(cmd), shell=True)
+        try:
+            result = subprocess.call(cmd, timeout=SCONTROL_TIMEOUT_S)
+        except FileNotFoundError:
+            result = subprocess.call(" ".join(cmd), shell=True, timeout=SCONTROL_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        log.warning(f"`{' '.join(cmd)}` did not finish within {SCONTROL_TIMEOUT_S:g} s")
+        return False
     if result == 0:
         log.info(f"Requeued SLURM job: {job_id}")
     else:

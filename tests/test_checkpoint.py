@@ -321,6 +321,46 @@ def test_full_compressed_and_async_saves_reload_the_same_state(dist_pool, tmp_pa
     assert not any(p.name.startswith(".ragged") for p in tmp_path.iterdir()), sorted(os.listdir(tmp_path))
 
 
+def _publish_fails_on_rank_zero(root: str, async_save: bool) -> tuple[str, bool]:
+    """Rank 0's disk fills while it publishes (after every rank wrote its shards): what each rank raises."""
+    from datetime import timedelta
+
+    from lightning_ragged.checkpoint import atomic_dir
+    from lightning_ragged.checkpoint.timeout import group_timeout
+
+    model = lr.fully_shard(make_model(), shard_granularity="row")
+    optimizers = _adamw(model)
+    _step(model, optimizers, make_batches(1, BATCH)[0])
+
+    def full_disk(name: str, path: Path) -> None:
+        if name == "write_checksums":
+            raise OSError(28, "No space left on device")
+
+    timeout = group_timeout()
+    dist.distributed_c10d._set_pg_timeout(timedelta(seconds=60), None)  # a regression waits 60 s, not 30 min
+    writer = ck.CheckpointWriter()
+    try:
+        with atomic_dir.on_step(full_disk):
+            ck.save(f"{root}/ckpt", model, optimizers, writer=writer, async_save=async_save)
+            writer.wait()
+        outcome = "no error"
+    except Exception as error:
+        outcome = f"{type(error).__name__}: {error}"
+    finally:
+        dist.distributed_c10d._set_pg_timeout(timeout, None)
+    return outcome, Path(root, "ckpt").exists()
+
+
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_a_publish_failing_on_rank_zero_is_raised_on_every_rank(dist_pool, tmp_path, async_save) -> None:
+    # Before: rank 0 raised and the other ranks waited in the barrier after publishing (async: in the next
+    # save's wait) until the process-group timeout, then blamed rank 0 for not arriving
+    (first, published), (other, _) = dist_pool(2).run(_publish_fails_on_rank_zero, str(tmp_path), async_save)
+    assert first == "OSError: [Errno 28] No space left on device" and not published
+    assert other.startswith("CheckpointError: checkpoint save to ") and "failed on ranks [0] (rank 0: OSError: " in other
+    assert "No space left on device" in other
+
+
 def _staged_storages(tree) -> list[tuple[str, int]]:
     """(device, storage address) of every tensor a staged state dict holds (a DTensor by its local boxes)."""
     from torch.distributed.tensor import DTensor

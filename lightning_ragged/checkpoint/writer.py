@@ -38,8 +38,9 @@ from lightning_ragged.checkpoint.format import (
 )
 from lightning_ragged.checkpoint.model_state import sharded_model_state_dict
 from lightning_ragged.checkpoint.optimizer_state import sharded_optimizer_state_dict
-from lightning_ragged.checkpoint.ranks import barrier, is_rank_zero, rank_zero_value, world_size
+from lightning_ragged.checkpoint.ranks import barrier, gather_failures, is_rank_zero, rank_zero_value, world_size
 from lightning_ragged.checkpoint.reader import CheckpointInfo
+from lightning_ragged.engine.collective_errors import CollectiveTimeoutError
 
 
 def _split_checkpoint(
@@ -152,12 +153,12 @@ class CheckpointWriter:
         self._stagers.clear()
 
     def wait(self) -> None:
-        """Finish the save in flight, if any (every rank)."""
+        """Finish the save in flight, if any (every rank; a rank's failure is raised on every rank)."""
         pending, self.pending = self.pending, None
         if pending is not None:
-            pending.wait()
-            with pending.translating("barrier after the asynchronous save", None):  # the default group
-                barrier()
+            failure = _attempt(pending.wait)
+            _settle(failure, pending.path, "the asynchronous save",
+                    pending.translating("barrier after the asynchronous save", None))  # the default group
 
     def _stage(self, tensors: Any) -> Any:
         """A CPU copy of every tensor the training step will overwrite (one per shared storage).
@@ -229,10 +230,9 @@ class CheckpointWriter:
             "checksums": checksums.MANIFEST_FILENAME,  # a directory without it is then known to be damaged
             **(extra_meta or {}),
         }
-        if is_rank_zero():
-            atomic_dir.prepare_partial(path, META_FILENAME)  # an earlier save to this path that never finished is removed
-        with translating("barrier before writing"):
-            barrier()
+        # an earlier save to this path that never finished is removed
+        failure = _attempt(lambda: atomic_dir.prepare_partial(path, META_FILENAME)) if is_rank_zero() else None
+        _settle(failure, path, "preparing the directory", translating("barrier before writing"))
 
         def finish() -> None:
             atomic_dir.step("write_shards", tmp)
@@ -262,9 +262,8 @@ class CheckpointWriter:
                 dcp.save(tensors, storage_writer=writer)
             with translating("barrier after writing the shards"):
                 barrier()  # every rank's files are complete (DCP's .metadata is written by rank 0 last)
-            finish()
-            with translating("barrier after publishing", note=f"Rank 0 may have published {path} already. "):
-                barrier()
+            _settle(_attempt(finish), path, "publishing",
+                    translating("barrier after publishing", note=f"Rank 0 may have published {path} already. "))
             return
         if dist.is_initialized() and self._async_group is None:
             # its own group (DCP's collectives run in a background thread), with the default group's timeout
@@ -283,6 +282,34 @@ class CheckpointWriter:
         if is_rank_zero():
             pending = self.pending
             future.add_done_callback(lambda f: f.exception() is None and pending.wait())
+
+
+def _attempt(action: Any) -> Exception | None:
+    """Run ``action``; its error, returned (raised after every rank has learnt of it), or None."""
+    try:
+        action()
+    except Exception as error:
+        return error
+    return None
+
+
+def _settle(failure: Exception | None, path: Path, stage: str, translating: Any) -> None:
+    """In a barrier's place: every rank learns where ``stage`` failed and raises (this rank's own error,
+    else a :class:`CheckpointError` naming the ranks). A collective that failed here already (a frozen or
+    lost peer) is raised at once: no collective can carry the news."""
+    if isinstance(failure, CollectiveTimeoutError):
+        raise failure
+    with translating:
+        failed = gather_failures(failure)
+    if failure is not None:
+        raise failure
+    if failed:
+        rank, text = min(failed.items())
+        raise CheckpointError(
+            f"checkpoint save to {path}: {stage} failed on ranks {sorted(failed)} (rank {rank}: {text[:500]}); "
+            f"see that rank's traceback. Publishing is atomic: {path} holds the previous checkpoint or this one, "
+            "complete"
+        )
 
 
 def _is_cuda(value: Any) -> bool:

@@ -151,9 +151,12 @@ def main_mode(results: dict) -> None:
     resume_trainer = make_trainer(RaggedFSDPStrategy(state_dict_type="full"), 2, 8)
     resumed = LitTinyGPT()
     loader_resume = token_loader(8 * 2 * BATCH, BATCH)
-    resume_trainer.fit(resumed, loader_resume, ckpt_path=path)
+    # rank 1 did not see the checkpoint (an NFS cache, newest_checkpoint() -> None): it loads rank 0's too
+    resume_trainer.fit(resumed, loader_resume, ckpt_path=path if rank == 0 else None)
     results["resume_steps"] = len(resumed.losses)
     results["resume_global_step"] = resume_trainer.global_step
+    results["resume_steps_per_rank"] = resume_trainer.strategy.all_gather(
+        torch.tensor([len(resumed.losses), resume_trainer.global_step])).tolist()
     resume_trainer.strategy.barrier()
     if rank == 0:
         shutil.rmtree(ckpt_dir, ignore_errors=True)

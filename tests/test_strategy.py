@@ -335,6 +335,7 @@ def test_sync_batchnorm_converts_before_sharding_on_accelerators() -> None:
 def test_checkpoint_is_full_and_resumes(main_run: dict) -> None:
     assert main_run["checkpoint_diff"] == 0.0
     assert main_run["resume_steps"] == 2 and main_run["resume_global_step"] == 8
+    assert main_run["resume_steps_per_rank"] == [[2, 8], [2, 8]]  # rank 1 got ckpt_path=None (before: a hang)
 
 
 def test_gradient_clipping_matches_ddp(main_run: dict) -> None:

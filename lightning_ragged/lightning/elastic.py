@@ -35,7 +35,7 @@ from __future__ import annotations
 import os
 import warnings
 from pathlib import Path
-from typing import Mapping, Optional, Union
+from typing import Any, Callable, Mapping, Optional, Union
 
 from lightning_ragged.checkpoint import OLD_PREFIX, TMP_PREFIX, CheckpointError, inspect_checkpoint
 from lightning_ragged.checkpoint.atomic_dir import VERSION_PREFIX  # link publishing's hidden, complete versions
@@ -150,11 +150,30 @@ def checkpoint_candidates(dirpath: Union[str, os.PathLike]) -> list[Path]:
 def newest_checkpoint(dirpath: Union[str, os.PathLike]) -> Optional[str]:
     """The newest complete checkpoint in ``dirpath`` (``None`` if there is none): pass it as ``fit(ckpt_path=...)``.
 
-    Call it on every rank at every (re)start; on a shared file system they agree (the
-    strategy loads rank 0's choice anyway). A candidate that does not validate is skipped
+    Call it on every rank at every (re)start. Ranks may see the directory differently (an NFS
+    attribute cache, a node-local path): every rank resumes from rank 0's choice, ``None``
+    included (:func:`resume_from_rank_zero`). A candidate that does not validate is skipped
     for the next older one, so a damaged newest checkpoint costs steps, not the job.
     """
     for candidate in checkpoint_candidates(dirpath):
         if _complete(candidate):
             return str(candidate)
     return None
+
+
+def resume_from_rank_zero(trainer: Any, broadcast: Callable[[Any], Any]) -> None:
+    """Make every rank of ``trainer`` resume from rank 0's checkpoint path (``None``: from scratch, on all).
+
+    Lightning loads a checkpoint only on ranks whose ``ckpt_path`` is set (``_CheckpointConnector
+    .resume_start``): a rank that got ``None`` (its ``newest_checkpoint`` saw no checkpoint yet, or
+    Lightning's hpc scan under SLURM found none) skipped the load's collectives while the others
+    were in them, and the job hung. ``broadcast`` (the strategy's) runs on every rank at that point,
+    one collective per restore; this Trainer's connector only, no class is patched.
+    """
+    connector = trainer._checkpoint_connector
+    resume_start = type(connector).resume_start.__get__(connector)
+
+    def agreed(checkpoint_path: Any = None, *args: Any, **kwargs: Any) -> None:
+        return resume_start(broadcast(checkpoint_path), *args, **kwargs)
+
+    connector.resume_start = agreed

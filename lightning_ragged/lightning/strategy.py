@@ -55,6 +55,7 @@ from lightning_ragged.lightning.knobs import check_strategy_knobs, without_fsdp2
 from lightning_ragged.engine.torch_state_dict import hook_optimizer
 from lightning_ragged.lightning.preemption import attach as attach_slurm_requeue
 from lightning_ragged.lightning.sigterm import attach as attach_sigterm
+from lightning_ragged.lightning.elastic import resume_from_rank_zero
 from lightning_ragged.lightning.model_summary import use_global_parameter_counts
 from lightning_ragged.lightning.parallel import RaggedParallel
 from lightning_ragged.lightning.precision import to_ragged_precision
@@ -340,6 +341,7 @@ class RaggedFSDPStrategy(RaggedParallel, ParallelStrategy):
         # signal then only sets a flag that all ranks agree on at a batch end (preemption.py, issue 10).
         attach_slurm_requeue(trainer, self.cluster_environment)
         attach_sigterm(trainer)  # SIGTERM, too, only sets a flag that all ranks agree on at a batch end
+        resume_from_rank_zero(trainer, self.broadcast)  # a rank that saw no checkpoint loads rank 0's too
         self.out_of_step = False
         add_exception_agreement(trainer, self._timeout)  # no collective save while one rank raised alone
         use_global_parameter_counts(trainer)  # ModelSummary counts unsharded parameters, not this rank's shards

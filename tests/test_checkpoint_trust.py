@@ -127,6 +127,27 @@ def test_honest_full_file_has_a_sidecar_and_loads_bit_identically(tmp_path) -> N
     assert not list(tmp_path.iterdir())  # the sidecar went with the file
 
 
+def test_top_k_removal_waits_only_for_an_async_save_of_the_same_checkpoint(tmp_path) -> None:
+    # Before: every removal waited for the save in flight, so with ModelCheckpoint(save_top_k=1) (the default),
+    # which removes the previous checkpoint after each save, no async save overlapped training
+    model, optimizer = _trained()
+    ck.save(tmp_path / "old.ckpt", model, [optimizer])
+    waits = []
+
+    class InFlight:
+        path = tmp_path / "new.ckpt"
+
+        def wait(self) -> None:
+            waits.append(self.path)
+
+    io = LightningCheckpointIO(async_save=True)
+    io.writer.pending = InFlight()
+    io.remove(tmp_path / "old.ckpt")
+    assert waits == [] and not (tmp_path / "old.ckpt").exists()
+    io.remove(tmp_path / "new.ckpt")
+    assert waits == [tmp_path / "new.ckpt"]
+
+
 # ------------------------------------------------------------------- corruption
 @pytest.mark.parametrize("compress", [False, True])
 def test_flipped_tensor_bytes_in_a_shard_name_the_file_and_tensor(tmp_path, compress: bool) -> None:

@@ -163,10 +163,14 @@ class LightningCheckpointIO:
         return rest
 
     def remove(self, path: str | os.PathLike) -> None:
-        """Rank 0 only (Lightning calls it on every rank and filters)."""
+        """Rank 0 only (Lightning calls it on every rank and filters).
+
+        Waits for an asynchronous save in flight only when it writes ``path`` itself: top-k deletes
+        an older checkpoint after every save, and waiting there undid the overlap of every async save.
+        """
         pending = self.writer.pending
-        if pending is not None:
-            pending.wait()  # never delete next to a directory that is still being renamed
+        if pending is not None and os.path.realpath(pending.path) == os.path.realpath(path):
+            pending.wait()  # never delete a checkpoint that is still being published
         checksums.remove_sidecar(path)  # a single file's checksum goes with it (a symlink's target keeps its own)
         remove_checkpoint(path)
 

@@ -291,6 +291,12 @@ def load_sharded_optimizer_state_dict(
     local_state: dict[str, dict[str, Any]] = saved.get("state", {})
     for (name, entry), tensor in local.items():
         local_state.setdefault(name, {})[entry] = tensor
+    # The checkpoint's entry order on every rank: a rank holding none of a parameter has no sharded
+    # entries to add last, and code that walks the state in its order (torch's full state dict) then
+    # issues the same collectives everywhere.
+    order = {path[2:4]: index for index, path in enumerate(paths.values()) if len(path) >= 4 and path[1] == "state"}
+    for name, entries in local_state.items():
+        local_state[name] = dict(sorted(entries.items(), key=lambda item: order.get((name, item[0]), len(order))))
     groups = saved.get("param_groups", [])
     current = [[names[id(p)] for p in group["params"]] for group in optimizer.param_groups]
     saved_names = [list(group.get("params", [])) for group in groups]

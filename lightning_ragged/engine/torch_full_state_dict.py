@@ -3,8 +3,9 @@
 torch gathers the DTensors of a state dict there (``_gather_state_dict``, called from
 ``_maybe_full_or_cpu_state_dict``, where both calls end). A StateShard is no DTensor, so it came
 back as it was, and using it raised. Once a model is sharded, that step first turns each
-StateShard into its full tensor (``StateShard.full_tensor``), one at a time, in the state dict's
-order: under ``cpu_offload`` each goes to CPU right after its gather and only rank 0 keeps it,
+StateShard into its full tensor (``StateShard.full_tensor``), one at a time, in an order every
+rank agrees on (sorted paths: a resumed optimizer's per-parameter keys can be in another order on
+a rank holding none of that parameter): under ``cpu_offload`` each goes to CPU right after its gather and only rank 0 keeps it,
 as torch keeps rank 0's only then, so the device holds one gathered tensor (and its gather
 buffer) at a time. torch's own function then does the rest on plain tensors.
 
@@ -37,13 +38,18 @@ def route_full_state_dicts() -> None:
 
 def _full_or_cpu_state_dict(state_dict: dict[str, Any], info: Any) -> dict[str, Any]:
     if info.full_state_dict:
-        everywhere = set(path for path, _ in _state_shards(state_dict, ()))
+        shards = dict(_state_shards(state_dict, ()))
+        everywhere = sorted(shards, key=repr)
         if dist.is_initialized() and dist.get_world_size() > 1:
             paths: list[Any] = [None] * dist.get_world_size()
-            dist.all_gather_object(paths, sorted(everywhere, key=repr))
-            everywhere = set.intersection(*(set(p) for p in paths))
+            dist.all_gather_object(paths, everywhere)
+            everywhere = sorted(set.intersection(*(set(p) for p in paths)), key=repr)
         keep = not (info.cpu_offload and dist.is_initialized()) or dist.get_rank() == 0
-        state_dict = _gathered(state_dict, (), everywhere, info.cpu_offload, keep)
+        fulls: dict[Path, Any] = {}
+        for path in everywhere:  # the agreed order: a rank's own dict order may differ (a resumed state)
+            full = shards[path].full_tensor()
+            fulls[path] = (full.to("cpu") if info.cpu_offload else full) if keep else None
+        state_dict = _replaced(state_dict, (), fulls)
     return _TORCH_FULL_OR_CPU(state_dict, info)
 
 
@@ -58,23 +64,18 @@ def _state_shards(value: Any, path: Path) -> Iterator[tuple[Path, StateShard]]:
             yield from _state_shards(item, path + (index,))
 
 
-def _gathered(value: Any, path: Path, everywhere: set[Path], cpu_offload: bool, keep: bool) -> Any:
-    """``value`` with each StateShard inside as its full tensor (None where this rank keeps nothing).
+def _replaced(value: Any, path: Path, fulls: dict[Path, Any]) -> Any:
+    """``value`` with each StateShard inside as its full tensor from ``fulls`` (its local part where not gathered).
 
     Containers holding none are returned as they are (a namedtuple stays one).
     """
     if isinstance(value, StateShard):
-        if path not in everywhere:
-            return value.local
-        full = value.full_tensor()
-        if not keep:
-            return None
-        return full.to("cpu") if cpu_offload else full
+        return fulls[path] if path in fulls else value.local
     if isinstance(value, dict):
-        items = {key: _gathered(item, path + (key,), everywhere, cpu_offload, keep) for key, item in value.items()}
+        items = {key: _replaced(item, path + (key,), fulls) for key, item in value.items()}
         return value if all(items[key] is value[key] for key in value) else items
     if isinstance(value, (list, tuple)):
-        items = [_gathered(item, path + (index,), everywhere, cpu_offload, keep) for index, item in enumerate(value)]
+        items = [_replaced(item, path + (index,), fulls) for index, item in enumerate(value)]
         if all(new is old for new, old in zip(items, value)):
             return value
         return items if isinstance(value, list) else tuple(items)

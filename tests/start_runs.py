@@ -145,6 +145,19 @@ def llama_mode(results: dict) -> None:
         results[f"{name}_bitwise"] = worst(float(not all(torch.equal(full[k], expected[k]) for k in expected))) == 0
         results[f"{name}_buffers_equal"] = worst(float(not all(
             torch.equal(b, expected_buffers[k]) for k, b in model.named_buffers()))) == 0
+    # Lightning's "empty_init=True, then load a checkpoint": the loaded values stand (before: the replayed
+    # random initialization replaced them, silently; DDP keeps them)
+    L.seed_everything(12, verbose=False)
+    pretrained = {k: v.clone() for k, v in LitLlama(True, False).state_dict().items()}
+    L.seed_everything(11, verbose=False)
+    trainer = cpu_trainer("ragged_fsdp", DEVICES, 1, enable_checkpointing=False)
+    with trainer.init_module(empty_init=True):
+        model = LitLlama(True, False)
+    model.load_state_dict(pretrained)
+    trainer.validate(model, llama_tokens(DEVICES * BATCH, BATCH), verbose=False)
+    full = full_state_dict(model)
+    results["llama_loaded_keys"] = sorted(full) == sorted(pretrained)
+    results["llama_loaded_bitwise"] = worst(float(not all(torch.equal(full[k], pretrained[k]) for k in pretrained))) == 0
     # ... and trains.
     L.seed_everything(11, verbose=False)
     trainer = cpu_trainer("ragged_fsdp", DEVICES, 2, enable_checkpointing=False)

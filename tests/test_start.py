@@ -511,6 +511,7 @@ def test_trainer_meta_llama_equals_eager(start_run: dict) -> None:
         assert start_run[f"llama_{tie}_bitwise"] and start_run[f"llama_{tie}_diff"] == 0.0, start_run
         assert start_run[f"llama_{tie}_buffers_equal"], start_run
     assert start_run["llama_fit_loss_finite"], start_run
+    assert start_run["llama_loaded_keys"] and start_run["llama_loaded_bitwise"], start_run  # empty_init + load
 
 
 def test_model_summary_reports_global_counts(start_run: dict) -> None:

@@ -119,6 +119,8 @@ def shard_module(
     (``init_record.py``), replayed when they built the meta model, then emptied.
     """
     on_meta = has_meta_tensors(model)
+    # values load_state_dict gave the meta model (meta_loads.py), named before fully_shard replaces its tensors
+    loaded = {k: v for recorded in (recordings or []) for k, v in recorded.loads.named(model).items()} if on_meta else {}
     program = bind_recordings(model, recordings) if on_meta and recordings else None
     for module in match_modules(model, activation_checkpointing, "activation_checkpointing"):
         from torch.distributed._composable import checkpoint
@@ -131,6 +133,8 @@ def shard_module(
     get_state(model).cast_root_inputs = cast_root_inputs
     if on_meta:
         materialize_meta_module(model, device, program=program)
+    if loaded:
+        model.load_state_dict(loaded, strict=False)  # after the replayed initialization: the loaded values stand
     return model
 
 

@@ -67,6 +67,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 import lightning.pytorch as pl
+from lightning_ragged.lightning.signal_handlers import install
 
 log = logging.getLogger(__name__)
 
@@ -237,20 +238,10 @@ def attach(trainer: pl.Trainer, cluster_environment: Any) -> Optional[SLURMReque
     """
     if not (isinstance(cluster_environment, SLURMEnvironment) and cluster_environment.auto_requeue):
         return None
-    connector = getattr(trainer, "_signal_connector", None)
-    if connector is None or not hasattr(connector, "_slurm_sigusr_handler_fn"):
-        rank_zero_warn(
-            "lightning_ragged: this Lightning version has no `_SignalConnector._slurm_sigusr_handler_fn`; "
-            "SLURM auto-requeue keeps Lightning's handler, which saves inside the signal handler and may deadlock"
-        )
-        return None
-    callback = next((cb for cb in trainer.callbacks if isinstance(cb, SLURMRequeue)), None)
-    if callback is None:
-        callback = SLURMRequeue()
-        trainer.callbacks.append(callback)
-    callback._trainer = trainer
-    connector._slurm_sigusr_handler_fn = callback.handle_signal
-    return callback
+    return install(
+        trainer, "_slurm_sigusr_handler_fn", SLURMRequeue,
+        "SLURM auto-requeue keeps Lightning's handler, which saves inside the signal handler and may deadlock",
+    )
 
 
 # ------------------------------------------------------------------------- helpers

@@ -25,9 +25,10 @@ from types import FrameType
 from typing import Any, Optional
 
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities.rank_zero import rank_prefixed_message, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_prefixed_message
 
 import lightning.pytorch as pl
+from lightning_ragged.lightning.signal_handlers import install
 
 log = logging.getLogger(__name__)
 
@@ -83,19 +84,12 @@ def attach(trainer: pl.Trainer) -> Optional[SIGTERMAgreement]:
     the bound method found on the connector. Lightning's per-batch broadcast of rank 0's flag (2.6)
     is switched off on this Trainer's loop: the agreement replaces it, one collective for one.
     """
-    connector = getattr(trainer, "_signal_connector", None)
-    if connector is None or not hasattr(connector, "_sigterm_notifier_fn"):
-        rank_zero_warn(
-            "lightning_ragged: this Lightning version has no `_SignalConnector._sigterm_notifier_fn`; SIGTERM keeps "
-            "Lightning's handling, which may stop one rank while the others wait in a collective"
-        )
-        return None
-    callback = next((cb for cb in trainer.callbacks if isinstance(cb, SIGTERMAgreement)), None)
+    callback = install(
+        trainer, "_sigterm_notifier_fn", SIGTERMAgreement,
+        "SIGTERM keeps Lightning's handling, which may stop one rank while the others wait in a collective",
+    )
     if callback is None:
-        callback = SIGTERMAgreement()
-        trainer.callbacks.append(callback)
-    callback._trainer = trainer
-    connector._sigterm_notifier_fn = callback.handle_signal
+        return None
     epoch_loop = trainer.fit_loop.epoch_loop
     if hasattr(epoch_loop, "_broadcast_sigterm_tensor"):
         epoch_loop._broadcast_sigterm_tensor = _agreed_at_batch_end

@@ -127,6 +127,23 @@ def test_honest_full_file_has_a_sidecar_and_loads_bit_identically(tmp_path) -> N
     assert not list(tmp_path.iterdir())  # the sidecar went with the file
 
 
+@pytest.mark.parametrize("full", [False, True], ids=["sharded", "full"])
+def test_another_kind_of_optimizer_is_refused_by_name(tmp_path, full: bool) -> None:
+    # Before: loaded, then torch's bare KeyError: 'momentum' at SGD's first step (as under DDP)
+    model, optimizer = _trained()
+    ck.save(tmp_path / "ckpt", model, [optimizer], full=full)
+    restored = make_model(seed=5)
+    sgd = torch.optim.SGD(restored.parameters(), lr=0.1, momentum=0.9)
+    with pytest.raises(ck.CheckpointMismatchError, match=r"another kind of optimizer than SGD: its param groups "
+                       r"hold \['amsgrad', 'betas'.*where this optimizer's hold \['dampening', 'momentum'"):
+        ck.load(tmp_path / "ckpt", restored, [sgd])
+    adamw = torch.optim.AdamW(restored.parameters(), lr=1e-2)  # the same kind loads (an LR scheduler's
+    adamw.param_groups[0]["initial_lr"] = 1e-2  # key on one side only is allowed)
+    ck.load(tmp_path / "ckpt", restored, [adamw])
+    assert all(torch.equal(adamw.state[p]["exp_avg"], optimizer.state[q]["exp_avg"])
+               for p, q in zip(restored.parameters(), model.parameters()))
+
+
 def test_top_k_removal_waits_only_for_an_async_save_of_the_same_checkpoint(tmp_path) -> None:
     # Before: every removal waited for the save in flight, so with ModelCheckpoint(save_top_k=1) (the default),
     # which removes the previous checkpoint after each save, no async save overlapped training

@@ -170,9 +170,26 @@ def sharded_optimizer_state_dict(module: nn.Module | None, optimizer: torch.opti
     return result
 
 
+_NOT_HYPERPARAMETERS = frozenset({"params", "param_names"})
+
+
+def _require_same_kind(saved_groups: list[dict[str, Any]], optimizer: torch.optim.Optimizer, where: str) -> None:
+    """Refuse another kind of optimizer's state (AdamW's into SGD: torch's bare ``KeyError: 'momentum'`` at the
+    first step). Keys only one side lacks are a torch version's or an LR scheduler's (``initial_lr``): allowed."""
+    saved = {key for group in saved_groups for key in group} - _NOT_HYPERPARAMETERS
+    current = {key for group in optimizer.param_groups for key in group} - _NOT_HYPERPARAMETERS
+    if saved - current and current - saved:
+        raise CheckpointMismatchError(
+            f"{where} was saved by another kind of optimizer than {type(optimizer).__name__}: its param groups hold "
+            f"{sorted(saved - current)} where this optimizer's hold {sorted(current - saved)}; resume with the "
+            "optimizer the checkpoint was saved with"
+        )
+
+
 def load_full_optimizer_state_dict(module: nn.Module | None, optimizer: torch.optim.Optimizer, state: Mapping[str, Any]) -> None:
     """Load a full (consolidated) optimizer state, slicing per-parameter states to this rank's shard."""
     hook_optimizer(optimizer)  # its torch state dicts hold StateShards from now on, before any step too
+    _require_same_kind(list(state.get("param_groups", [])), optimizer, "the optimizer state")
     if isinstance(optimizer, NamedStateOptimizer):
         optimizer.load_state_dict(dict(state) if "ragged" in state else {**state, "ragged": {}})
         return
@@ -304,6 +321,7 @@ def load_sharded_optimizer_state_dict(
         raise CheckpointMismatchError(
             f"{info.path} {key!r} was saved for other parameter groups: saved {saved_names}, optimizer has {current}"
         )
+    _require_same_kind(groups, optimizer, f"{info.path} {key!r}")
     if ragged:
         state = {
             "state": local_state,

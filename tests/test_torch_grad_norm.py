@@ -168,3 +168,35 @@ def _compiled_clipping() -> dict[str, float]:
 def test_compiled_torch_clipping_is_global(dist_pool) -> None:
     for result in dist_pool(2).run(_compiled_clipping):  # the norm runs eagerly inside the compiled function
         assert result["norm_diff"] <= 1e-5, result
+
+
+def _scaled_steps(sharded_scaler: bool) -> tuple[float, dict[str, torch.Tensor]]:
+    """3 AdamW steps under a GradScaler; at the second, rank 1's part of one gradient overflows (an fp16 inf)."""
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    model = lr.fully_shard(make_model(), shard_granularity="row")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scaler = (ShardedGradScaler if sharded_scaler else torch.amp.GradScaler)("cpu", init_scale=256.0)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    for step, batch in enumerate(make_batches(3, 4)):
+        scaler.scale(lm_loss(model, batch[rank::world])).backward()
+        if step == 1 and rank == 1:
+            next(p for p in model.parameters() if p.grad is not None and p.grad.numel()).grad[0] = float("inf")
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad()
+    return scaler.get_scale(), lr.full_state_dict(model)
+
+
+def check_plain_grad_scaler_skips_on_every_rank() -> dict:
+    plain, params = _scaled_steps(sharded_scaler=False)
+    sharded, expected = _scaled_steps(sharded_scaler=True)  # torch's FSDP scaler: the oracle
+    return {"plain": plain, "sharded": sharded, "same": all(torch.equal(params[k], expected[k]) for k in expected)}
+
+
+def test_plain_grad_scaler_skips_the_step_on_every_rank(dist_pool) -> None:
+    # Before: only rank 1 saw its inf; it skipped the step and halved its scale while rank 0 stepped
+    # (scales 128 and 256, 2.1e-2 from DDP after 3 steps in the sweep)
+    results = dist_pool(2).run(check_plain_grad_scaler_skips_on_every_rank)
+    assert [r["plain"] for r in results] == [128.0, 128.0] and [r["sharded"] for r in results] == [128.0, 128.0]
+    assert all(r["same"] for r in results), results

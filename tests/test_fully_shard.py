@@ -836,3 +836,27 @@ def test_bad_arguments_get_clear_errors(dist_pool):
     assert "block_rows=0" in block_rows
     assert "reduce_mode='broadcast'" in mode
     assert "already sharded" in twice
+
+
+def check_whole_tensor_optimizers_are_refused() -> dict:
+    model = lr.fully_shard(make_model(), shard_granularity="row")
+    messages = {}
+    for kind in (torch.optim.LBFGS, torch.optim.Adafactor):
+        optimizer = kind(model.parameters(), lr=0.1)
+        lm_loss(model, make_batches(1, 4)[0]).backward()
+        try:
+            optimizer.step(lambda: lm_loss(model, make_batches(1, 4)[0])) if kind is torch.optim.LBFGS else optimizer.step()
+            messages[kind.__name__] = None
+        except ValueError as error:
+            messages[kind.__name__] = str(error)
+        model.zero_grad()
+    return messages
+
+
+def test_torch_optimizers_that_need_whole_tensors_are_refused_on_shards(dist_pool) -> None:
+    # Before: LBFGS trained 0.2 from DDP after 3 steps, silently (each rank its own line search on its part);
+    # Adafactor divided by zero on a rank's empty part
+    for messages in dist_pool(2).run(check_whole_tensor_optimizers_are_refused):
+        assert messages["LBFGS"].startswith("torch.optim.LBFGS cannot train parameters lightning_ragged.fully_shard")
+        assert "line-search" in messages["LBFGS"] and "DDP" in messages["LBFGS"]
+        assert messages["Adafactor"].startswith("torch.optim.Adafactor cannot train") and "AdamW" in messages["Adafactor"]

@@ -54,6 +54,7 @@ from lightning_ragged.engine.shard_group import ShardGroup
 from lightning_ragged.engine.state_sync import BufferSync, sync_params_and_buffers
 from lightning_ragged.engine.torch_grad_norm import route_torch_grad_norm
 from lightning_ragged.engine.torch_grad_scaler import route_grad_scaler
+from lightning_ragged.engine.whole_tensor_optimizers import refuse_whole_tensor_optimizers
 from lightning_ragged.engine.torch_state_dict import install_state_dict_hooks
 
 DEFAULT_DBUFFER_SIZE = 256 * 2**20
@@ -297,6 +298,7 @@ def fully_shard(
     install_state_dict_hooks(new_groups)
     route_torch_grad_norm(dbuffer for group in new_groups for dbuffer in group.dbuffers)
     route_grad_scaler()
+    refuse_whole_tensor_optimizers()
     for member in (member for group in state.all_groups for member in group.members):
         make_fsdp_module(member)  # every member of a group of several modules, as FSDP2's fully_shard([...])
     if listed is None:

@@ -64,13 +64,11 @@ class RaggedFSDPState:
         self.forward_order: list[ShardGroup] = []
         """Groups in the order the current (or last) forward ran them."""
         self._previous_order: list[ShardGroup] = []
-        self._root_depth = 0
-        self._in_backward = False
+        self._root_depth, self._training_forward, self._in_backward = 0, False, False
         self._in_flight: list[DBuffer] = []
         self._reduced: list[DBuffer] = []
         self._hooked: set[int] = set()
-        self.handles: list[Any] = []
-        """Hook handles, removed when a parent ``fully_shard`` call adopts these groups."""
+        self.handles: list[Any] = []  # hook handles, removed when a parent ``fully_shard`` call adopts these groups
         self.auto_plan: Any = None
         """``planning="auto"``: the ``layout.auto.AutoPlan`` that chose the groups, for reports."""
         self.buffer_sync: Any = None
@@ -139,6 +137,7 @@ class RaggedFSDPState:
         self._root_depth += 1
         if self._root_depth == 1:
             self._begin_step()
+            self._training_forward = torch.is_grad_enabled()
 
     def root_post_forward(self, raised: bool = False) -> None:
         """The root's forward ended (also when it ``raised``: the hook runs ``always_call``; then every group goes
@@ -222,6 +221,8 @@ class RaggedFSDPState:
             group.forward_calls += 1
             if not group.is_root:
                 args, kwargs = self._register_post_backward(group, args, kwargs)
+        elif self._training_forward and not group.is_root:  # a reentrant checkpoint's call: its recomputation's
+            group.untracked_calls += 1  # gradient comes at some point of backward: the group reduces at its end
         return args, kwargs
 
     def post_forward(self, group: ShardGroup, output: Any) -> Any:

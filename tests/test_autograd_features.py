@@ -222,3 +222,35 @@ def test_gradient_hooks_registered_before_sharding_run_as_under_ddp(dist_pool, w
         assert result["diff"] <= 1e-5, result  # fp32, 3 SGD steps at lr 0.5 with momentum: this suite's 1e-5
         assert result["frozen_rows_moved"] == 0.0, result
         assert result["calls"]["sharded"] == result["calls"]["reference"] == {"down": STEPS, "got_grad": STEPS}, result
+
+
+def _plus(hidden: torch.Tensor, call) -> torch.Tensor:
+    return hidden + call(hidden)
+
+
+def check_no_grad_calls_in_a_training_forward() -> dict:
+    """Block 0 called once under no_grad (a frozen reference), once under a reentrant checkpoint, plainly after."""
+    torch.manual_seed(0)
+    model = _Revisits((1, 0, 2))
+    for block in model.blocks:
+        lr.fully_shard(block)
+    lr.fully_shard(model)
+    group = next(g for g in lr.get_state(model).all_groups if g.module is model.blocks[0])
+    x = torch.randn(BATCH // dist.get_world_size(), 8)
+    untracked = {}
+    for name, call in (("no_grad", lambda h: torch.no_grad()(model.blocks[0])(h)),
+                       ("reentrant", lambda h: torch.utils.checkpoint.checkpoint(model.blocks[0], h, use_reentrant=True))):
+        model.forward = lambda h, call=call: model.head(model.blocks[0](_plus(model.blocks[1](h), call)))
+        loss = model(x).pow(2).mean()
+        untracked[name] = group.untracked_calls
+        loss.backward()
+        model.zero_grad()
+    return untracked
+
+
+def test_only_a_reentrant_checkpoint_defers_a_groups_reduction(dist_pool):
+    # A no_grad call of a block inside a training forward (a frozen reference, a teacher) gets no gradient later:
+    # its group keeps reducing after its backward (deferring it held every such block's full parameters and
+    # gradients to the end of backward); a reentrant checkpoint's call is recomputed in backward, so it defers
+    for untracked in dist_pool(2).run(check_no_grad_calls_in_a_training_forward):
+        assert untracked == {"no_grad": 0, "reentrant": 1}, untracked

@@ -40,6 +40,7 @@ from lightning_ragged.engine import collectives
 from lightning_ragged.engine.collectives import CommStats
 from lightning_ragged.engine.containers import map_tensors, replace_tensors_requiring_grad, tensors_requiring_grad
 from lightning_ragged.engine.dbuffer import DBuffer
+from lightning_ragged.engine.reentrant_calls import in_reentrant_checkpoint
 from lightning_ragged.engine.shard_group import ShardGroup
 from lightning_ragged.engine.unused_grads import settle_unused
 from lightning_ragged.engine.streams import CommStreams, device_streams
@@ -59,8 +60,7 @@ class RaggedFSDPState:
         """The root module's own forward casts its inputs (``mp_policy``); not the Lightning strategy's (a batch)."""
         self.keep_last_unsharded = False
         """Keep the group the last forward ran last unsharded until its backward, the first to need it."""
-        self.max_inflight_all_gathers = 1
-        """Groups all-gathered ahead of the running one (from the recorded order)."""
+        self.max_inflight_all_gathers = 1  # groups all-gathered ahead of the running one (from the recorded order)
         self.forward_order: list[ShardGroup] = []
         """Groups in the order the current (or last) forward ran them."""
         self._previous_order: list[ShardGroup] = []
@@ -221,8 +221,8 @@ class RaggedFSDPState:
             group.forward_calls += 1
             if not group.is_root:
                 args, kwargs = self._register_post_backward(group, args, kwargs)
-        elif self._training_forward and not group.is_root:  # a reentrant checkpoint's call: its recomputation's
-            group.untracked_calls += 1  # gradient comes at some point of backward: the group reduces at its end
+        elif self._root_depth and self._training_forward and not group.is_root and in_reentrant_checkpoint():
+            group.untracked_calls += 1  # its recomputation's gradient comes later in backward: reduce at its end
         return args, kwargs
 
     def post_forward(self, group: ShardGroup, output: Any) -> Any:

@@ -13,6 +13,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import json
 import pickle
 from pathlib import Path
@@ -144,25 +146,37 @@ def test_another_kind_of_optimizer_is_refused_by_name(tmp_path, full: bool) -> N
                for p, q in zip(restored.parameters(), model.parameters()))
 
 
-def test_top_k_removal_waits_only_for_an_async_save_of_the_same_checkpoint(tmp_path) -> None:
+def test_top_k_removal_is_done_after_the_async_save_in_flight_is_published(tmp_path) -> None:
     # Before: every removal waited for the save in flight, so with ModelCheckpoint(save_top_k=1) (the default),
-    # which removes the previous checkpoint after each save, no async save overlapped training
+    # which removes the previous checkpoint after each save, no async save overlapped training. The removal
+    # must not come before the new checkpoint exists either: a crash in between would leave none.
+    from concurrent.futures import Future
+
+    from lightning_ragged.checkpoint.writer import PendingSave
+
     model, optimizer = _trained()
-    ck.save(tmp_path / "old.ckpt", model, [optimizer])
-    waits = []
-
-    class InFlight:
-        path = tmp_path / "new.ckpt"
-
-        def wait(self) -> None:
-            waits.append(self.path)
-
-    io = LightningCheckpointIO(async_save=True)
-    io.writer.pending = InFlight()
-    io.remove(tmp_path / "old.ckpt")
-    assert waits == [] and not (tmp_path / "old.ckpt").exists()
-    io.remove(tmp_path / "new.ckpt")
-    assert waits == [tmp_path / "new.ckpt"]
+    for outcome in ("published", "failed"):
+        ck.save(tmp_path / "old.ckpt", model, [optimizer])
+        future: Future = Future()
+        io = LightningCheckpointIO(async_save=True)
+        io.writer.pending = pending = PendingSave(future, lambda: None, tmp_path / "new.ckpt")
+        io.remove(tmp_path / "old.ckpt")  # returns at once
+        assert (tmp_path / "old.ckpt").exists()
+        if outcome == "published":
+            future.set_result(None)
+            pending.wait()
+            assert not (tmp_path / "old.ckpt").exists()
+        else:
+            future.set_exception(OSError("disk full"))
+            with pytest.raises(OSError):
+                pending.wait()
+            restored, restored_optimizer = _fresh()
+            ck.load(tmp_path / "old.ckpt", restored, [restored_optimizer])  # kept: the new one never came
+        ran = []
+        io.writer.pending = PendingSave(future, lambda: ran.append(1), tmp_path / "new.ckpt")
+        with pytest.raises(OSError) if outcome == "failed" else contextlib.nullcontext():
+            io.remove(tmp_path / "new.ckpt")  # the checkpoint being written: waited for first
+        assert ran == ([1] if outcome == "published" else [])
 
 
 # ------------------------------------------------------------------- corruption

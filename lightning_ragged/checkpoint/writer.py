@@ -112,6 +112,18 @@ class PendingSave:
         self._lock = threading.Lock()
         self._done = False
         self._error: BaseException | None = None
+        self._after_publish: list[Any] = []
+
+    def after_publish(self, action: Any) -> bool:
+        """Run ``action`` once this save is published (False: it already finished or failed; run it yourself).
+
+        A failed save never runs it: deleting an older checkpoint waits for the new one to exist.
+        """
+        with self._lock:
+            if self._done or self._error is not None:
+                return False
+            self._after_publish.append(action)
+            return True
 
     def wait(self) -> None:
         with self._lock:  # the done-callback (rank 0) and the next save may both get here
@@ -125,8 +137,12 @@ class PendingSave:
                 self._finish()
             except BaseException as error:
                 self._error = error
+                self._after_publish.clear()
                 raise
             self._done = True
+            actions, self._after_publish = self._after_publish, []
+        for action in actions:
+            action()
 
 
 class CheckpointWriter:

@@ -165,17 +165,26 @@ class LightningCheckpointIO:
     def remove(self, path: str | os.PathLike) -> None:
         """Rank 0 only (Lightning calls it on every rank and filters).
 
-        Waits for an asynchronous save in flight only when it writes ``path`` itself: top-k deletes
-        an older checkpoint after every save, and waiting there undid the overlap of every async save.
+        With an asynchronous save in flight, ``path`` is deleted once that save is published (never
+        before: a crash in between would leave no checkpoint), without waiting for it here: top-k
+        deletes the previous checkpoint after every save, and waiting undid every async save's overlap.
+        The save of ``path`` itself is waited for first.
         """
         pending = self.writer.pending
-        if pending is not None and os.path.realpath(pending.path) == os.path.realpath(path):
-            pending.wait()  # never delete a checkpoint that is still being published
-        checksums.remove_sidecar(path)  # a single file's checksum goes with it (a symlink's target keeps its own)
-        remove_checkpoint(path)
+        if pending is not None:
+            if os.path.realpath(pending.path) == os.path.realpath(path):
+                pending.wait()  # never delete a checkpoint that is still being published
+            elif pending.after_publish(lambda: _remove(path)):
+                return
+        _remove(path)
 
     def teardown(self) -> None:
         pending, self.writer.pending = self.writer.pending, None
         if pending is not None:
             pending.wait()
         self.writer.release_staging()
+
+
+def _remove(path: str | os.PathLike) -> None:
+    checksums.remove_sidecar(path)  # a single file's checksum goes with it (a symlink's target keeps its own)
+    remove_checkpoint(path)

@@ -71,10 +71,10 @@ from lightning_ragged.lightning.signal_handlers import install
 
 log = logging.getLogger(__name__)
 
-SIGTERM_WAIT_S = 5.0
-SIGTERM_POLL_S = 0.05
 SCONTROL_TIMEOUT_S = 30.0
 """How long rank 0 waits for ``scontrol requeue`` (the other ranks wait for its answer in a broadcast)."""
+SIGTERM_POLL_S = 0.05
+SIGTERM_WAIT_S = 5.0
 """How long a rank waits, after a successful requeue, for the SIGTERM with which Slurm ends the job."""
 
 

@@ -24,6 +24,8 @@ import logging
 from types import FrameType
 from typing import Any, Optional
 
+import torch
+import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_prefixed_message
 
@@ -69,10 +71,15 @@ class SIGTERMAgreement(Callback):
         self._agree(trainer)
 
     def _agree(self, trainer: pl.Trainer) -> None:
-        # One all-reduce that every rank enters at the same batch: the same decision everywhere.
+        # One all-reduce that every rank enters at the same batch: the same decision everywhere (none at world 1).
         if trainer._signal_connector.received_sigterm:
             return
-        if trainer.strategy.reduce_boolean_decision(self.received, all=False):
+        received = self.received
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            flag = torch.tensor([int(received)], device=trainer.strategy.root_device)
+            dist.all_reduce(flag)
+            received = bool(flag.item())
+        if received:
             self.agreed_step = trainer.global_step
             trainer._signal_connector.received_sigterm = True  # Lightning's loops raise SIGTERMException next
 

@@ -521,3 +521,52 @@ def test_model_summary_reports_global_counts(start_run: dict) -> None:
     assert summary["model_size"] == pytest.approx(summary["true_total"] * 4 / 1e6), summary
     assert summary["layer_params"] == summary["true_layer_params"], summary
     assert summary["per_device_total"] < summary["true_total"], summary  # the shards are what a rank holds
+
+
+def check_loads_into_meta_models(rank_zero_only: bool) -> dict:
+    """Two models built in one recorded construction, each loaded with its own state; shards taken one by one."""
+    import torch
+    import torch.distributed as dist
+
+    import lightning_ragged as lr
+    from lightning_ragged.engine.init_record import recording
+    from lightning_ragged.lightning.sharding import shard_module
+    from tests.models import make_model
+
+    states = [{k: v.clone() for k, v in make_model(seed).state_dict().items()} for seed in (11, 12)]
+    with torch.device("meta"), recording() as record:
+        models = [make_model(), make_model()]
+    for model, state in zip(models, states):
+        if not rank_zero_only or dist.get_rank() == 0:
+            model.load_state_dict(state)
+    try:
+        for model in models:  # the first call consumes the recording: the second model is replayed structurally
+            shard_module(model, device=torch.device("cpu"), recordings=[record])
+    except ValueError as error:
+        return {"error": str(error)}
+    return {"loaded": [all(torch.equal(lr.full_state_dict(m)[k], s[k]) for k in s) for m, s in zip(models, states)]}
+
+
+def test_values_loaded_into_meta_models_stand_for_each_model_and_every_rank(dist_pool) -> None:
+    # The second model of one construction lost its loaded values when the first was sharded (the recording's
+    # values were taken together); a load on rank 0 only left the other ranks at the replayed initialization
+    for result in dist_pool(2).run(check_loads_into_meta_models, False):
+        assert result == {"loaded": [True, True]}, result
+    for result in dist_pool(2).run(check_loads_into_meta_models, True):
+        assert result["error"].startswith("load_state_dict gave the meta-device model [")
+        assert "tensors on ranks 0..1: every rank must load the same state" in result["error"], result
+
+
+def test_an_assigning_load_into_a_meta_model_is_not_kept() -> None:
+    import torch
+
+    from lightning_ragged.engine import meta_loads
+    from lightning_ragged.engine.init_record import recording
+    from tests.models import make_model
+
+    state = make_model(3).state_dict()
+    with torch.device("meta"), recording():
+        model = make_model()
+    model.load_state_dict(state, assign=True)  # the values are the model's own tensors now: nothing to hold
+    assert not any(p.is_meta for p in model.parameters())
+    assert meta_loads.loaded_values(model) == {} and not any(loads.values for loads in meta_loads._LIVE)

@@ -34,7 +34,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from lightning_ragged.engine.init_replay import on_meta_noop_inits, tied_target_slots
-from lightning_ragged.engine.meta_loads import MetaLoads, watching
+from lightning_ragged.engine.meta_loads import watching
 
 NOT_RECORDED = frozenset({"requires_grad_", "retain_grad", "share_memory_", "register_hook", "_set_grad_enabled"})
 """Calls that change no value (autograd flags, hooks)."""
@@ -83,8 +83,6 @@ class Recording:
     """The calls of one construction, in order (their tensors held, so their storages stay unique)."""
 
     calls: list[Call] = field(default_factory=list)
-    loads: MetaLoads = field(default_factory=MetaLoads)
-    """What ``load_state_dict`` gave the meta tensors after the construction (``meta_loads.py``)."""
 
     def covers(self, module: nn.Module) -> bool:
         """Every meta parameter of ``module`` was made by a recorded call."""
@@ -224,8 +222,7 @@ def recording() -> Iterator[Recording]:
 
     hf = _HFInitOnMeta()
     try:
-        with on_meta_noop_inits(on_meta), _Recorder(record, hf), watching() as loads:
-            record.loads = loads
+        with on_meta_noop_inits(on_meta), _Recorder(record, hf), watching():  # loads into it are kept (meta_loads.py)
             yield record
     finally:
         hf.restore()

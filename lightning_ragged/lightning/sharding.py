@@ -21,6 +21,7 @@ from lightning_ragged.checkpoint.dcp import release_meshes
 from lightning_ragged.engine.api import fully_shard, get_state
 from lightning_ragged.engine.init_record import Recording, bind_recordings
 from lightning_ragged.engine.meta_init import has_meta_tensors, materialize_meta_module
+from lightning_ragged.engine.meta_loads import loaded_values, require_same_loads
 
 ModuleSpec = Union[type, str]
 """A module class, a dotted import path ``"pkg.mod.Class"``, or a bare class name matched in the model."""
@@ -120,7 +121,9 @@ def shard_module(
     """
     on_meta = has_meta_tensors(model)
     # values load_state_dict gave the meta model (meta_loads.py), named before fully_shard replaces its tensors
-    loaded = {k: v for recorded in (recordings or []) for k, v in recorded.loads.named(model).items()} if on_meta else {}
+    loaded = loaded_values(model) if on_meta else {}
+    if on_meta:
+        require_same_loads(loaded)
     program = bind_recordings(model, recordings) if on_meta and recordings else None
     for module in match_modules(model, activation_checkpointing, "activation_checkpointing"):
         from torch.distributed._composable import checkpoint

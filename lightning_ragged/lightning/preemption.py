@@ -13,7 +13,7 @@ checkpoint (Lightning issue #21406).
 
 1. the handler only sets a flag (and records where it landed, for logs);
 2. at the end of every training batch that stepped the optimizers, all ranks agree on the
-   flag with one all-reduce (``strategy.reduce_boolean_decision``); a rank that has not seen
+   flag with one all-reduce (``signal_handlers.any_rank``); a rank that has not seen
    the signal yet still takes part, so every rank takes the same branch at the same batch;
 3. when it is set: the loggers are finalized, the hpc checkpoint
    (``hpc_ckpt_<n>.ckpt`` in ``default_root_dir``, as Lightning) is saved by all ranks at the
@@ -67,7 +67,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 import lightning.pytorch as pl
-from lightning_ragged.lightning.signal_handlers import install
+from lightning_ragged.lightning.signal_handlers import any_rank, install
 
 log = logging.getLogger(__name__)
 
@@ -153,7 +153,7 @@ class SLURMRequeue(Callback):
 
     def _maybe_requeue(self, trainer: pl.Trainer) -> None:
         # One all-reduce: every rank takes part, so every rank decides the same at the same batch.
-        if not trainer.strategy.reduce_boolean_decision(self.requested, all=False):
+        if not any_rank(self.requested, trainer.strategy.root_device):
             return
         self._save_and_requeue(trainer)
 

@@ -24,13 +24,11 @@ import logging
 from types import FrameType
 from typing import Any, Optional
 
-import torch
-import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_prefixed_message
 
 import lightning.pytorch as pl
-from lightning_ragged.lightning.signal_handlers import install
+from lightning_ragged.lightning.signal_handlers import any_rank, install
 
 log = logging.getLogger(__name__)
 
@@ -74,12 +72,7 @@ class SIGTERMAgreement(Callback):
         # One all-reduce that every rank enters at the same batch: the same decision everywhere (none at world 1).
         if trainer._signal_connector.received_sigterm:
             return
-        received = self.received
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            flag = torch.tensor([int(received)], device=trainer.strategy.root_device)
-            dist.all_reduce(flag)
-            received = bool(flag.item())
-        if received:
+        if any_rank(self.received, trainer.strategy.root_device):
             self.agreed_step = trainer.global_step
             trainer._signal_connector.received_sigterm = True  # Lightning's loops raise SIGTERMException next
 

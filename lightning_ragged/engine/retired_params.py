@@ -7,24 +7,20 @@ gradient before the reduction, as under DDP (FSDP2 drops it); a ``register_post_
 one moves to the shard, where it runs with the reduced gradient (``sharded_grad.py``), as one registered
 after sharding. An optimizer built before ``fully_shard`` (a common slip when porting a training loop)
 still holds the originals: they never get a gradient again, so every step silently trains nothing (as
-under FSDP2). The originals are marked, and one process-wide optimizer step pre-hook refuses such a
-step, naming a parameter and the fix. It looks at an optimizer again only when its parameter count
-changes (``add_param_group``), so a step costs one sum over its groups.
+under FSDP2). The originals are marked, and a check before optimizer steps (``optimizer_checks.py``)
+refuses such a step, naming a parameter and the fix.
 """
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Iterable
-from typing import Any
 
 from torch import nn
 from torch.optim import Optimizer
-from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from lightning_ragged.engine.optimizer_checks import check_before_steps
 
 _NAME = "_ragged_replaced_as"
-_checked: "weakref.WeakKeyDictionary[Optimizer, int]" = weakref.WeakKeyDictionary()
-_installed = False
 
 
 def retire(replaced: Iterable[tuple[str, nn.Parameter, nn.Parameter, nn.Parameter]]) -> None:
@@ -32,22 +28,16 @@ def retire(replaced: Iterable[tuple[str, nn.Parameter, nn.Parameter, nn.Paramete
 
     ``replaced``: ``(name, original, full, shard)``, the full parameter being the one forward computes with.
     """
-    global _installed
     for name, original, full, shard in replaced:
         setattr(original, _NAME, name)
         for hook in (getattr(original, "_backward_hooks", None) or {}).values():
             full.register_hook(hook)
         for hook in (getattr(original, "_post_accumulate_grad_hooks", None) or {}).values():
             shard.register_post_accumulate_grad_hook(hook)
-    if not _installed:
-        register_optimizer_step_pre_hook(_refuse_retired)
-        _installed = True
+    check_before_steps(_refuse_retired)
 
 
-def _refuse_retired(optimizer: Optimizer, args: Any, kwargs: Any) -> None:
-    count = sum(len(group["params"]) for group in optimizer.param_groups)
-    if _checked.get(optimizer) == count:
-        return
+def _refuse_retired(optimizer: Optimizer) -> None:
     retired = [getattr(p, _NAME) for group in optimizer.param_groups for p in group["params"] if hasattr(p, _NAME)]
     if retired:
         raise ValueError(
@@ -55,4 +45,3 @@ def _refuse_retired(optimizer: Optimizer, args: Any, kwargs: Any) -> None:
             f"by its shards (e.g. {retired[0]!r}): they get no gradient, so this step would train nothing. Build "
             "the optimizer after fully_shard, from model.parameters() (or pass both to fabric.setup)"
         )
-    _checked[optimizer] = count

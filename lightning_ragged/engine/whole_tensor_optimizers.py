@@ -3,20 +3,20 @@
 A shard is this rank's 1-D part of a parameter. torch's ``LBFGS`` takes dot products and line-search
 steps over the whole gradient: on shards every rank would pick its own step (measured: 0.2 relative
 from DDP after 3 steps, silently). ``Adafactor`` factors each matrix's second moment by rows and
-columns, and divided by zero on a rank's empty part. One process-wide optimizer step pre-hook
-(installed by the first ``fully_shard``) refuses a step of either holding sharded parameters, naming
-the fix; an optimizer is looked at again only when its parameter count changes. (torch's ``Muon``
+columns, and divided by zero on a rank's empty part. A check before optimizer steps (installed by the
+first ``fully_shard``, ``optimizer_checks.py``) refuses a step of either holding sharded parameters,
+naming the fix. (torch's ``Muon``
 refuses 1-D shards itself, when it is built: use ``lightning_ragged.optim.Muon``.)
 """
 
 from __future__ import annotations
 
-import weakref
 from typing import Any
 
 import torch.distributed as dist
 from torch.optim import Optimizer
-from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from lightning_ragged.engine.optimizer_checks import check_before_steps
 
 _WHY: dict[str, tuple[str, bool]] = {
     "LBFGS": ("takes dot products and line-search steps over whole gradients: on shards every rank would pick its "
@@ -26,22 +26,12 @@ _WHY: dict[str, tuple[str, bool]] = {
 }
 """torch optimizer class name -> (why and what instead, refused only when a shard group has several ranks)."""
 
-_checked: "weakref.WeakKeyDictionary[Optimizer, int]" = weakref.WeakKeyDictionary()
-_installed = False
-
-
 def refuse_whole_tensor_optimizers() -> None:
-    """Once per process: install the step pre-hook."""
-    global _installed
-    if not _installed:
-        register_optimizer_step_pre_hook(_refuse)
-        _installed = True
+    """Once per process: check optimizers before their steps."""
+    check_before_steps(_refuse)
 
 
-def _refuse(optimizer: Optimizer, args: Any, kwargs: Any) -> None:
-    count = sum(len(group["params"]) for group in optimizer.param_groups)
-    if _checked.get(optimizer) == count:
-        return
+def _refuse(optimizer: Optimizer) -> None:
     kind = type(optimizer)
     if kind.__module__.startswith("torch.optim") and kind.__name__ in _WHY:
         why, across_ranks_only = _WHY[kind.__name__]
@@ -52,7 +42,6 @@ def _refuse(optimizer: Optimizer, args: Any, kwargs: Any) -> None:
                 f"torch.optim.{kind.__name__} cannot train parameters lightning_ragged.fully_shard sharded "
                 f"(e.g. {shards[0].name!r}, shape {tuple(shards[0].global_shape)}): it {why}"
             )
-    _checked[optimizer] = count
 
 
 def _ranks(process_group: Any) -> int:

@@ -119,6 +119,38 @@ def test_newest_checkpoint_finds_hidden_complete_copies(tmp_path):
         assert checkpoint_candidates(tmp_path)[0] == last and newest_checkpoint(tmp_path) == str(last)
 
 
+def _save_full_then_weights_only(directory: str) -> None:
+    from lightning_ragged import fully_shard
+    from lightning_ragged.checkpoint import save
+
+    model = fully_shard(torch.nn.Sequential(torch.nn.Linear(3, 2)))
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.ones(1, 3)).sum().backward()
+    optimizer.step()
+    save(Path(directory) / "epoch=0-step=4", model, [optimizer], extra={"global_step": 4})
+    time.sleep(0.01)
+    save(Path(directory) / "weights-step=6", model, extra={"global_step": 6})
+
+
+def test_newest_checkpoint_prefers_a_resumable_checkpoint_to_a_newer_weights_only_one(tmp_path, dist_pool):
+    """``ModelCheckpoint(save_weights_only=True)`` beside full saves: the newer weights-only checkpoint
+    (directory or file) would restart the optimizers from scratch, so the newest full one is chosen;
+    a weights-only one only when nothing else validates."""
+    dist_pool(1).run(_save_full_then_weights_only, str(tmp_path))
+    full = tmp_path / "epoch=0-step=4"
+    assert checkpoint_candidates(tmp_path)[0].name == "weights-step=6"
+    assert newest_checkpoint(tmp_path) == str(full)
+    time.sleep(0.01)  # Lightning's single files: a weights-only one lacks "optimizer_states"
+    torch.save({"state_dict": {}, "global_step": 8}, tmp_path / "weights-step=8.ckpt")
+    assert newest_checkpoint(tmp_path) == str(full)
+    time.sleep(0.01)
+    torch.save({"state_dict": {}, "optimizer_states": [{}], "global_step": 10}, tmp_path / "step=10.ckpt")
+    assert newest_checkpoint(tmp_path) == str(tmp_path / "step=10.ckpt")
+    for entry in (tmp_path / "step=10.ckpt", full / "meta.pt"):
+        entry.unlink()  # nothing resumable left: the newest weights-only one
+    assert newest_checkpoint(tmp_path) == str(tmp_path / "weights-step=8.ckpt")
+
+
 # ------------------------------------------------------------------------------ the real run
 def _free_port() -> int:
     with socket.socket() as s:

@@ -39,6 +39,7 @@ from typing import Any, Callable, Mapping, Optional, Union
 
 from lightning_ragged.checkpoint import OLD_PREFIX, TMP_PREFIX, CheckpointError, inspect_checkpoint
 from lightning_ragged.checkpoint.atomic_dir import VERSION_PREFIX  # link publishing's hidden, complete versions
+from lightning_ragged.checkpoint.safe_unpickle import torch_load
 
 HIDDEN_PREFIXES = (TMP_PREFIX, OLD_PREFIX, VERSION_PREFIX)
 
@@ -87,18 +88,28 @@ def _is_sharded_directory(path: Path) -> bool:
     return path.is_dir() and (path / ".metadata").is_file() and (path / "meta.pt").is_file()
 
 
-def _complete(path: Path) -> bool:
-    """A sharded directory that validates (complete, untruncated), or a non-empty checkpoint file."""
+def _resumable(path: Path) -> Optional[bool]:
+    """Whether ``path`` validates and holds optimizer state; ``None`` if it does not validate.
+
+    A sharded directory is validated (complete, untruncated); a checkpoint file must be
+    non-empty, and is read weights-only and memory-mapped (the pickle, not the tensors) for
+    an ``"optimizer_states"`` entry: a file that cannot be read so counts as holding it.
+    """
     if path.is_dir():
         try:
-            inspect_checkpoint(path)
+            return inspect_checkpoint(path).optimizer_count > 0
         except (CheckpointError, OSError, RuntimeError, ValueError):
-            return False
-        return True
+            return None
     try:
-        return path.is_file() and path.stat().st_size > 0
+        if not (path.is_file() and path.stat().st_size > 0):
+            return None
     except OSError:
-        return False
+        return None
+    try:
+        checkpoint = torch_load(path, map_location="cpu", mmap=True)
+    except Exception:  # a legacy or trusted-only file: Lightning's loader decides, with its own error
+        return True
+    return not isinstance(checkpoint, Mapping) or bool(checkpoint.get("optimizer_states"))
 
 
 def _preference(entry: Path) -> tuple[bool, bool]:
@@ -153,12 +164,19 @@ def newest_checkpoint(dirpath: Union[str, os.PathLike]) -> Optional[str]:
     Call it on every rank at every (re)start. Ranks may see the directory differently (an NFS
     attribute cache, a node-local path): every rank resumes from rank 0's choice, ``None``
     included (:func:`resume_from_rank_zero`). A candidate that does not validate is skipped
-    for the next older one, so a damaged newest checkpoint costs steps, not the job.
+    for the next older one, so a damaged newest checkpoint costs steps, not the job. A
+    weights-only checkpoint (``ModelCheckpoint(save_weights_only=True)``, kept for evaluation
+    beside the full ones) is chosen only when no full one validates: resuming from it would
+    restart the optimizers and schedulers from scratch.
     """
+    weights_only = None
     for candidate in checkpoint_candidates(dirpath):
-        if _complete(candidate):
+        resumable = _resumable(candidate)
+        if resumable:
             return str(candidate)
-    return None
+        if resumable is False and weights_only is None:
+            weights_only = str(candidate)
+    return weights_only
 
 
 def resume_from_rank_zero(trainer: Any, broadcast: Callable[[Any], Any]) -> None:

@@ -259,6 +259,42 @@ def test_an_incomplete_hidden_copy_is_never_chosen(tmp_path) -> None:
         ck.load(last, *_fresh_pair())
 
 
+def test_a_restarted_job_removes_what_crashed_saves_of_other_names_left(tmp_path, monkeypatch) -> None:
+    """ModelCheckpoint names change every save, so a save killed mid-write (or a removal killed mid-rmtree)
+    left a hidden copy no later save to the same name clears: the first save of the next process into the
+    directory removes them, and keeps every copy that may be the only complete one."""
+    model, optimizer = _fresh()
+    with pytest.raises(_Crash), atomic_dir.on_step(_raise_after("write_shards")):
+        ck.save(tmp_path / "epoch=0-step=1", model, [optimizer], {"step": 1})  # unfinished: no meta.pt
+    with pytest.raises(_Crash), atomic_dir.on_step(_raise_after("write_checksums")):
+        ck.save(tmp_path / "epoch=0-step=2", model, [optimizer], {"step": 2})  # complete, never published
+    one, two = _two_checkpoints(tmp_path)
+    last = tmp_path / "last.ckpt"  # an older two-rename publish killed between its renames
+    os.replace(one, atomic_dir.hidden_sibling(last, ck.OLD_PREFIX))
+    os.replace(two, ck.partial_path(last))
+    (ck.partial_path(last) / ck.META_FILENAME).unlink()  # ... even its unfinished new copy stays beside it
+    trash = atomic_dir.hidden_sibling(tmp_path / "epoch=0-step=0", atomic_dir.TRASH_PREFIX)
+    trash.mkdir()
+    (trash / "__0_0.distcp").write_bytes(b"half deleted")
+    (tmp_path / f"{atomic_dir.LINK_PREFIX}0123456789ab").symlink_to("absent")
+    atomic_dir.file_part_path(tmp_path / "model.ckpt").write_bytes(b"torn")
+    (tmp_path / ".ragged-probe-123-a").touch()
+    unfinished = ck.partial_path(tmp_path / "epoch=0-step=1")
+    left = {p.name for p in tmp_path.iterdir()}
+
+    ck.save(tmp_path / "epoch=0-step=3", model, [optimizer], {"step": 3})  # this process: already swept
+    assert left <= {p.name for p in tmp_path.iterdir()}
+    monkeypatch.setattr(atomic_dir, "_swept", set())  # the restarted job
+    ck.save(tmp_path / "epoch=0-step=4", model, [optimizer], {"step": 4})
+    removed = {unfinished.name, trash.name, f"{atomic_dir.LINK_PREFIX}0123456789ab",
+               atomic_dir.file_part_path(tmp_path / "model.ckpt").name, ".ragged-probe-123-a"}
+    assert {p.name for p in tmp_path.iterdir()} == (left - removed) | {"epoch=0-step=3", "epoch=0-step=4"}
+    complete = ck.partial_path(tmp_path / "epoch=0-step=2")
+    assert ck.load(complete, *_fresh_pair())["step"] == 2  # the complete unpublished copy is kept, loadable
+    with pytest.warns(UserWarning, match="newest complete copy"):
+        assert ck.load(last, *_fresh_pair())["step"] == 1  # and the old copy of the two-rename state
+
+
 class _Crash(BaseException):
     """A crash, simulated in-process: raised from a step hook, nothing of the save runs after it."""
 

@@ -77,6 +77,7 @@ use_exchange: bool | None = None
 
 _hooks: list[Callable[[str, Path], None]] = []
 _exchange_support: dict[int, bool] = {}
+_swept: set[Path] = set()  # directories whose leftovers this process has removed (remove_leftovers)
 _VERSION = re.compile(r"\.v(\d+)$")
 
 
@@ -282,6 +283,9 @@ def prepare_partial(path: Path, complete_marker: str) -> Path:
     """
     path = Path(path)
     tmp = partial_path(path)
+    if path.parent.resolve() not in _swept:
+        remove_leftovers(path.parent, complete_marker)
+        _swept.add(path.parent.resolve())
     if os.path.lexists(tmp):
         adopt = (
             not os.path.lexists(path)
@@ -297,6 +301,39 @@ def prepare_partial(path: Path, complete_marker: str) -> Path:
     tmp.mkdir(parents=True)
     step("make_partial", tmp)
     return tmp
+
+
+def remove_leftovers(directory: Path, complete_marker: str) -> list[Path]:
+    """Delete what crashed saves and removals of *other* names left in ``directory``; the deleted, sorted.
+
+    Names change from save to save (``epoch=0-step=100``, ...), so a save killed mid-write
+    left a ``.ragged-partial-`` copy (up to a whole checkpoint) that no later save to the same
+    name would clear, and a removal killed mid-``rmtree`` a ``.ragged-trash-`` one. Deleted:
+    every trash directory, single-file part, unused link and exchange probe, and every
+    partial copy without ``complete_marker`` (an unfinished save) that is not the new half
+    of a two-step publish (next to its ``.ragged-old-``). Kept: whatever may be the only
+    complete copy of a checkpoint (versions, ``.ragged-old-``, complete partial copies).
+    Rank 0 runs it at its first save into ``directory`` in this process, when no save of
+    this job writes there (one job per directory, as ``ModelCheckpoint`` assumes).
+    """
+    removed = []
+    try:
+        entries = sorted(os.listdir(directory))
+    except OSError:
+        return removed
+    for name in entries:
+        entry = Path(directory) / name
+        if name.startswith((TRASH_PREFIX, LINK_PREFIX, FILE_PREFIX, ".ragged-probe-")):
+            stale = True
+        elif name.startswith(TMP_PREFIX):
+            next_to_old = _is_real_dir(entry.with_name(OLD_PREFIX + name[len(TMP_PREFIX):]))
+            stale = not next_to_old and not (entry / complete_marker).is_file()
+        else:
+            stale = False
+        if stale and os.path.lexists(entry):
+            _remove_tree(entry)
+            removed.append(entry)
+    return removed
 
 
 def _next_number(path: Path) -> int:

@@ -570,3 +570,32 @@ def test_an_assigning_load_into_a_meta_model_is_not_kept() -> None:
     model.load_state_dict(state, assign=True)  # the values are the model's own tensors now: nothing to hold
     assert not any(p.is_meta for p in model.parameters())
     assert meta_loads.loaded_values(model) == {} and not any(loads.values for loads in meta_loads._LIVE)
+
+
+def test_a_kept_load_into_a_meta_model_does_not_warn_that_it_is_lost() -> None:
+    # torch warns "copying ... to a meta parameter ... is a no-op" for each tensor: untrue of the values kept
+    # (they are loaded after setup), and the warning sent users to assign=True or to load after setup.
+    import warnings
+
+    import torch
+
+    from lightning_ragged.engine import meta_loads
+    from lightning_ragged.engine.init_record import recording
+    from tests.models import make_model
+
+    state = make_model(3).state_dict()
+    with torch.device("meta"), recording():
+        model = make_model()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.load_state_dict(state)
+    assert [str(w.message) for w in caught] == []
+    assert not any(v.is_meta for v in state.values())  # the caller's dict is untouched
+    values = meta_loads.loaded_values(model)
+    assert sorted(values) == sorted(state) and all(torch.equal(values[k], state[k]) for k in state)
+    with torch.device("meta"):
+        plain = make_model()  # not ours: torch's warning stands
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        plain.load_state_dict(state)
+    assert len([w for w in caught if "is a no-op" in str(w.message)]) == len(state)

@@ -13,7 +13,8 @@ values in the model itself). The strategies' sharding (``lightning/sharding.shar
 the values of the model it shards (:func:`loaded_values`, while the model still holds its meta
 tensors; other models of the same construction keep theirs) and loads them into the sharded model
 after the replayed initialization, so they stand. The values are the caller's tensors, held until
-then (no copy).
+then (no copy). torch's copy into each meta tensor gets a meta stand-in of the value (in the dict
+``load_state_dict`` copied), so it stays a silent no-op instead of warning that the value is lost.
 """
 
 from __future__ import annotations
@@ -56,7 +57,12 @@ class MetaLoads:
         for name, tensor in itertools.chain(module._parameters.items(), module._buffers.items()):
             key = prefix + name
             if isinstance(tensor, torch.Tensor) and tensor.is_meta and key in state_dict:
-                self.values[id(tensor)] = (tensor, state_dict[key])
+                value = state_dict[key]
+                self.values[id(tensor)] = (tensor, value)
+                if isinstance(value, torch.Tensor) and not value.is_meta:
+                    # torch's own copy into the meta tensor is a no-op, and it would warn that the value is
+                    # lost: it gets a meta stand-in (this load's copy of the dict; the caller's is untouched)
+                    state_dict[key] = torch.empty_like(value, device="meta")
 
     def take(self, model: nn.Module) -> dict[str, Any]:
         """The values kept for ``model``'s tensors, by its names; its modules are no longer watched."""

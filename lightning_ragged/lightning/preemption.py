@@ -13,7 +13,8 @@ checkpoint (Lightning issue #21406).
 
 1. the handler only sets a flag (and records where it landed, for logs);
 2. at the end of every training batch that stepped the optimizers, all ranks agree on the
-   flag with one all-reduce (``signal_handlers.any_rank``); a rank that has not seen
+   flag (``signal_handlers.SignalFlags``: one all-reduce of CPU integers per batch end, shared
+   with the SIGTERM flag, no device sync); a rank that has not seen
    the signal yet still takes part, so every rank takes the same branch at the same batch;
 3. when it is set: the loggers are finalized, the hpc checkpoint
    (``hpc_ckpt_<n>.ckpt`` in ``default_root_dir``, as Lightning) is saved by all ranks at the
@@ -67,12 +68,14 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 import lightning.pytorch as pl
-from lightning_ragged.lightning.signal_handlers import any_rank, install
+from lightning_ragged.lightning.signal_handlers import flags, install
 
 log = logging.getLogger(__name__)
 
 SCONTROL_TIMEOUT_S = 30.0
 """How long rank 0 waits for ``scontrol requeue`` (the other ranks wait for its answer in a broadcast)."""
+HANDLER = "_slurm_sigusr_handler_fn"
+"""Lightning's handler of the requeue signal on its ``_SignalConnector``, replaced on this Trainer's connector."""
 SIGTERM_POLL_S = 0.05
 SIGTERM_WAIT_S = 5.0
 """How long a rank waits, after a successful requeue, for the SIGTERM with which Slurm ends the job."""
@@ -152,8 +155,8 @@ class SLURMRequeue(Callback):
         self._maybe_requeue(trainer)
 
     def _maybe_requeue(self, trainer: pl.Trainer) -> None:
-        # One all-reduce: every rank takes part, so every rank decides the same at the same batch.
-        if not any_rank(self.requested, trainer.strategy.root_device):
+        # Every rank asks at the same batch, so every rank decides the same (signal_handlers.SignalFlags).
+        if not flags(trainer).agreed(HANDLER):
             return
         self._save_and_requeue(trainer)
 
@@ -239,7 +242,7 @@ def attach(trainer: pl.Trainer, cluster_environment: Any) -> Optional[SLURMReque
     if not (isinstance(cluster_environment, SLURMEnvironment) and cluster_environment.auto_requeue):
         return None
     return install(
-        trainer, "_slurm_sigusr_handler_fn", SLURMRequeue,
+        trainer, HANDLER, SLURMRequeue, lambda callback: callback.requested,
         "SLURM auto-requeue keeps Lightning's handler, which saves inside the signal handler and may deadlock",
     )
 

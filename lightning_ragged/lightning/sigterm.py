@@ -11,7 +11,7 @@ rank's all-gather: both wait until the process-group timeout (30 minutes by defa
 ``RaggedFSDPStrategy``: the handler only forwards the signal to the processes Lightning started
 (as Lightning) and sets a flag. At every batch end (training, validation, test, predict) all ranks
 agree on the flag with one all-reduce, which replaces Lightning's per-batch broadcast of rank 0's
-flag; when any rank has it, every rank sets ``trainer.received_sigterm`` at that batch, and
+flag (with the requeue signal's flag: one all-reduce of CPU integers, no device sync; signal_handlers.py); when any rank has it, every rank sets ``trainer.received_sigterm`` at that batch, and
 Lightning's own checks raise ``SIGTERMException`` on all of them at the same point: the
 ``on_exception`` callbacks (``OnExceptionCheckpoint``) run with every rank present and the
 checkpoint is written. Under SLURM auto-requeue the requeue signal keeps its own agreement
@@ -28,9 +28,12 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_prefixed_message
 
 import lightning.pytorch as pl
-from lightning_ragged.lightning.signal_handlers import any_rank, install
+from lightning_ragged.lightning.signal_handlers import flags, install
 
 log = logging.getLogger(__name__)
+
+HANDLER = "_sigterm_notifier_fn"
+"""Lightning's SIGTERM handler on its ``_SignalConnector`` (2.6), replaced on this Trainer's connector."""
 
 
 class SIGTERMAgreement(Callback):
@@ -69,10 +72,10 @@ class SIGTERMAgreement(Callback):
         self._agree(trainer)
 
     def _agree(self, trainer: pl.Trainer) -> None:
-        # One all-reduce that every rank enters at the same batch: the same decision everywhere (none at world 1).
+        # Every rank asks at the same batch: the same decision everywhere (signal_handlers.SignalFlags).
         if trainer._signal_connector.received_sigterm:
             return
-        if any_rank(self.received, trainer.strategy.root_device):
+        if flags(trainer).agreed(HANDLER):
             self.agreed_step = trainer.global_step
             trainer._signal_connector.received_sigterm = True  # Lightning's loops raise SIGTERMException next
 
@@ -85,7 +88,7 @@ def attach(trainer: pl.Trainer) -> Optional[SIGTERMAgreement]:
     is switched off on this Trainer's loop: the agreement replaces it, one collective for one.
     """
     callback = install(
-        trainer, "_sigterm_notifier_fn", SIGTERMAgreement,
+        trainer, HANDLER, SIGTERMAgreement, lambda callback: callback.received,
         "SIGTERM keeps Lightning's handling, which may stop one rank while the others wait in a collective",
     )
     if callback is None:

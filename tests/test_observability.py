@@ -10,6 +10,7 @@ import json
 import math
 import subprocess
 import sys
+import threading
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -185,6 +186,74 @@ def test_device_timing_reads_event_pairs_lazily(dist_pool):
         assert result["pending"] == 0 and result["made"] > 5
         assert real["ragged_fsdp/all_gathers"] > 0  # the fake clock stood still: device times are zero
         assert real["ragged_fsdp/all_gather_seconds"] == real["ragged_fsdp/comm_blocked_seconds"] == 0.0
+
+class SlowDevice(FakeDevice):
+    """``query()`` takes 50 ms and counts how many threads are inside it at once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inside = self.most = 0
+        self.lock = threading.Lock()
+
+    def event(self) -> "FakeEvent":
+        self.made += 1
+        return SlowEvent(self)
+
+
+class SlowEvent(FakeEvent):
+    def query(self) -> bool:
+        device = self.device
+        with device.lock:
+            device.inside += 1
+            device.most = max(device.most, device.inside)
+        time.sleep(0.05)
+        with device.lock:
+            device.inside -= 1
+        return True
+
+
+def check_device_times_read_from_two_threads() -> dict:
+    from lightning_ragged.engine.events import EventKind, notify
+    from lightning_ragged.observability.metrics import EngineMetrics
+
+    device = SlowDevice()
+    model = lr.fully_shard(make_model())
+    metrics = EngineMetrics(model, event_factory=device.event)
+    a = next(iter(lr.get_state(model).dbuffers()))
+    for start in (0.0, 10.0):  # two all-gathers of 5 ms each
+        for at, kind in ((start, EventKind.UNSHARD_ISSUED), (start + 5.0, EventKind.UNSHARD_WAITED)):
+            device.now = at
+            notify(a, kind, "all_gather", seconds=1.0)
+    metrics.end_step()
+    errors: list[str] = []
+
+    def scrape() -> None:  # the monitor's HTTP thread (Prometheus counters) beside the training thread
+        try:
+            metrics.totals()
+        except Exception as error:  # noqa: BLE001 - reported to the test
+            errors.append(repr(error))
+
+    thread = threading.Thread(target=scrape)
+    thread.start()
+    try:
+        window = metrics.compute()
+    except Exception as error:  # noqa: BLE001
+        errors.append(repr(error))
+        window = {}
+    thread.join()
+    return dict(most=device.most, errors=errors, window=window.get("ragged_fsdp/all_gather_seconds"),
+                total=metrics.totals()["all_gather_seconds"], pending=metrics.probes[0].timer.pending)
+
+
+def test_device_times_are_read_by_one_thread_at_a_time(dist_pool):
+    # Before: the monitor's scrape thread and the training thread both peeked the oldest event pair and both
+    # popped it: the second popped a pair not yet completed (elapsed_time raises on CUDA) and the window and
+    # totals lost or double-counted device seconds.
+    for result in dist_pool(2).run(check_device_times_read_from_two_threads):
+        assert result["most"] == 1 and result["errors"] == [], result
+        assert result["pending"] == 0 and result["total"] == pytest.approx(0.010), result
+        assert result["window"] == pytest.approx(0.010), result  # one step, both all-gathers, counted once
+
 
 # ----------------------------------------------------------------------------- diagnostics
 STALL_TIMEOUT_S = 2.0

@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import resource
 import sys
+import threading
 import time
 from typing import Any, Iterable
 
@@ -111,6 +112,9 @@ class EngineMetrics:
         self.probes: list[EngineProbe] = [probe(state, event_factory) for state in states]
         self.device = next(iter(self.probes[0].dbuffers)).dbuffer.device if self.probes[0].dbuffers else None
         self.steps_total = 0
+        # the monitor's scrape thread reads totals() while the training thread ends steps and computes:
+        # one of them at a time reads the device events and moves the window (an RLock: compute reads them too)
+        self._lock = threading.RLock()
         self._last_totals = self._totals()
         self._window = dict.fromkeys(_COUNTERS, 0.0)
         self._window_steps = 0
@@ -151,22 +155,24 @@ class EngineMetrics:
     def _collect_device_times(self) -> None:
         """Read the device times that completed (no synchronize) into the window."""
         timers = [p.timer for p in self.probes if p.timer is not None]
-        for timer in timers:
-            timer.collect()
-        if timers:
-            self._fold(_DEVICE_TIMED)
+        with self._lock:
+            for timer in timers:
+                timer.collect()
+            if timers:
+                self._fold(_DEVICE_TIMED)
 
     def end_step(self, copy_bytes: int | None = None) -> None:
         """Close one optimizer step: add its counters to the window (cheap: a few additions)."""
         now = time.perf_counter()
-        self._fold()
-        self._window_steps += 1
-        self._window_seconds += now - self._step_started
-        self._step_started = now
-        self.steps_total += 1
-        self.last_step_time = time.time()
-        if copy_bytes is not None:
-            self._copy_bytes.append(copy_bytes)
+        with self._lock:
+            self._fold()
+            self._window_steps += 1
+            self._window_seconds += now - self._step_started
+            self._step_started = now
+            self.steps_total += 1
+            self.last_step_time = time.time()
+            if copy_bytes is not None:
+                self._copy_bytes.append(copy_bytes)
 
     def set_step(self, step: int) -> None:
         """The training step that diagnostics name (the Lightning callback sets the global step)."""
@@ -180,6 +186,10 @@ class EngineMetrics:
     # ---------------------------------------------------------- reporting
     def compute(self, per_group: bool = True, reset: bool = True) -> dict[str, float]:
         """Means per step over the window since the last ``compute(reset=True)``, plus gauges."""
+        with self._lock:
+            return self._compute(per_group, reset)
+
+    def _compute(self, per_group: bool, reset: bool) -> dict[str, float]:
         self._collect_device_times()
         steps = max(self._window_steps, 1)
         window = self._window
@@ -245,8 +255,9 @@ class EngineMetrics:
 
     def totals(self) -> dict[str, float]:
         """Cumulative counters since the module was sharded (for Prometheus counters)."""
-        self._collect_device_times()
-        return dict(zip(_COUNTERS, self._totals()))
+        with self._lock:
+            self._collect_device_times()
+            return dict(zip(_COUNTERS, self._totals()))
 
     def close(self) -> None:
         """Remove the probes (the engine runs exactly as before)."""

@@ -629,3 +629,39 @@ def test_a_prefetch_nothing_used_is_finished_by_the_end_of_backward(dist_pool):
         assert result == {"pending": [], "first_full": True}, result
     for result in dist_pool(2).run(check_unrun_prefetch_waited):
         assert result == {"pending": []}, result
+
+
+def check_shard_device(accelerator: str | None) -> dict:
+    from lightning_ragged.engine import fsdp2_args
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+    real = fsdp2_args.meta_shard_device
+    if accelerator is not None:  # the backend's device, as under NCCL on a GPU machine
+        fsdp2_args.meta_shard_device = lambda mesh, group: torch.device(accelerator)
+    try:
+        found = fsdp2_args.shard_device(model, None, None, None)
+        given = fsdp2_args.shard_device(model, None, None, "cpu")
+    finally:
+        fsdp2_args.meta_shard_device = real
+    return {"found": found, "given": given}
+
+
+def test_a_cpu_model_moves_to_the_accelerator_of_its_backend_as_fsdp2(dist_pool) -> None:
+    # Before: fully_shard(cpu_model) under NCCL kept the shards and buffers on the CPU (NCCL refuses them;
+    # FSDP2 moves the module to the mesh's device), and with device="cuda" the buffers stayed on the CPU:
+    # the rotary table or BatchNorm statistics met CUDA activations in forward.
+    from lightning_ragged.engine.fsdp2_args import move_buffers
+
+    assert dist_pool(1).run(check_shard_device, None)[0] == {"found": None, "given": torch.device("cpu")}
+    assert dist_pool(1).run(check_shard_device, "cuda:0")[0] == {
+        "found": torch.device("cuda:0"), "given": torch.device("cpu")}
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+    model[0].register_buffer("table", torch.arange(4.0), persistent=False)
+    model[0].register_buffer("absent", None)
+    kept = model[1].running_mean
+    move_buffers(model, torch.device("meta"))  # the only other device a CPU machine has
+    assert all(b.is_meta for b in model.buffers()) and model[0].absent is None
+    assert "table" not in model[0].state_dict() and "running_mean" in model[1].state_dict()
+    assert not kept.is_meta  # the module points at new tensors; the old ones are left alone
+    move_buffers(model, None)
+    assert all(b.is_meta for b in model.buffers())

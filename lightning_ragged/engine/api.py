@@ -34,7 +34,7 @@ from lightning_ragged.engine.collectives import CommStats
 from lightning_ragged.engine.dbuffer import DBuffer
 from lightning_ragged.engine.fp8_gather import Float8AllGather, Fp8Gather, fp8_param_ids, tile_granularity
 from lightning_ragged.engine.fsdp2_args import (
-    check_reshard_after_forward, check_unsupported, groups_of_mesh, meta_shard_device,
+    check_reshard_after_forward, check_unsupported, groups_of_mesh, move_buffers, shard_device,
 )
 from lightning_ragged.engine.forward_hooks import install_hooks, refuse_forward_until_adopted
 from lightning_ragged.engine.fsdp_module import make_fsdp_module, make_save_pretrained_gather, mark_managed
@@ -105,8 +105,10 @@ def fully_shard(
     elsewhere), ``gather_mode`` the all-gather's ("pairwise" on gloo for CPU tensors, "all_gather" elsewhere).
     ``alignment``: every parameter
     view starts at a multiple of this many elements (default: 16 bytes). ``device`` places
-    the buffers (a model on the meta device gets its shards, uninitialized, on the mesh's or backend's device
-    without it; then ``to_empty`` leaves them in place and ``summon_full_params`` initializes whole tensors).
+    the shards and the module's buffers; without it a model on the meta device gets its shards, uninitialized,
+    on the mesh's or backend's device (then ``to_empty`` leaves them in place and ``summon_full_params``
+    initializes whole tensors), and a CPU model under an accelerator's mesh or backend (NCCL) moves to its
+    current device, as FSDP2 moves it.
     ``sync_module_states`` (FSDP1's name; default True, as DDP): every rank starts from rank 0's
     parameters (one flat scatter per DBuffer; HSDP replicas take replica 0's) and buffers, so
     an unseeded init is not a patchwork of every rank's; skipped on the meta device.
@@ -159,8 +161,8 @@ def fully_shard(
     if not dist.is_initialized():
         raise RuntimeError("fully_shard needs torch.distributed initialized (e.g. dist.init_process_group('gloo'))")
     process_group, replicate_group = groups_of_mesh(mesh, process_group, replicate_group)
-    if device is None and any(p.is_meta for p in target.parameters()):
-        device = meta_shard_device(mesh, process_group)
+    device = shard_device(target, mesh, process_group, device)
+    move_buffers(target, device)
     check_unsupported(offload_policy, ignored_params, shard_placement_fn)
     world_size = dist.get_world_size(process_group)
     reshard_after_forward = check_reshard_after_forward(reshard_after_forward, world_size)

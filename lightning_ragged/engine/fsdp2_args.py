@@ -1,8 +1,9 @@
 """FSDP2's ``fully_shard`` arguments, as lightning_ragged takes them.
 
 Code written for torch's FSDP2 passes ``mesh=`` (a 1-D mesh: shard over it; 2-D: HSDP, replicate over
-dimension 0 and shard over dimension 1, FSDP2's convention; only its process groups are taken, not its
-device: the shards live where the parameters are, or at ``device=``) and ``reshard_after_forward=None`` (FSDP2's
+dimension 0 and shard over dimension 1, FSDP2's convention; the shards live at ``device=``, else where
+the parameters are, except that a meta or CPU model moves to the mesh's accelerator as under FSDP2,
+:func:`shard_device`) and ``reshard_after_forward=None`` (FSDP2's
 default: reshard every module but the root, which is what lightning_ragged's ``True`` does). The
 arguments FSDP2 has and lightning_ragged does not implement are refused by name, with what to use
 instead, rather than failing as an unexpected keyword or being ignored.
@@ -52,6 +53,37 @@ def meta_shard_device(mesh: Any, process_group: dist.ProcessGroup | None) -> tor
     if device_type == "cpu":
         return torch.device("cpu")
     return torch.device(device_type, torch.get_device_module(device_type).current_device())
+
+
+def shard_device(
+    target: Any, mesh: Any, process_group: dist.ProcessGroup | None, device: torch.device | str | None
+) -> torch.device | None:
+    """Where ``fully_shard`` puts the shards and the buffers of ``target`` (``None``: where the parameters are).
+
+    ``device`` if given; a model on the meta device: :func:`meta_shard_device`; a CPU model whose mesh (or
+    backend: NCCL) is an accelerator's: that accelerator's current device, as FSDP2 moves the module there
+    (NCCL takes no CPU tensors). Parameters already on an accelerator stay (gloo on CUDA tensors).
+    """
+    if device is not None:
+        return torch.device(device)
+    params = list(target.parameters())
+    if any(p.is_meta for p in params):
+        return meta_shard_device(mesh, process_group)
+    if params and all(p.device.type == "cpu" for p in params):
+        found = meta_shard_device(mesh, process_group)
+        return found if found.type != "cpu" else None
+    return None
+
+
+def move_buffers(target: Any, device: torch.device | None) -> None:
+    """Every real buffer of ``target`` onto ``device`` (FSDP2 moves them with the parameters): a rotary table or
+    BatchNorm statistics left on the CPU would meet device activations in forward, and NCCL in the broadcast."""
+    if device is None:
+        return
+    for sub in target.modules():
+        for attr, buffer in list(sub._buffers.items()):
+            if buffer is not None and not buffer.is_meta and buffer.device != device:
+                sub._buffers[attr] = buffer.to(device)
 
 
 def check_reshard_after_forward(value: Any, world_size: int) -> bool | int:

@@ -37,7 +37,8 @@ def grad_norm(module: nn.Module, norm_type: Union[float, int, str], group_separa
     by_group = {key: iter(values) for key, values in tensor_norms(groups, norm_type).items()}
     norms = {f"grad_{norm_type}_norm{group_separator}{name}": next(by_group[key]) for (name, _), key in zip(named, keys)}
     if norms:
-        norms[f"grad_{norm_type}_norm_total"] = torch.tensor(list(norms.values())).norm(norm_type)
+        # Lightning's torch.tensor(list of norms) reads each back to the host (a sync per parameter on CUDA)
+        norms[f"grad_{norm_type}_norm_total"] = torch.stack([n.float() for n in norms.values()]).norm(norm_type)
     return norms
 
 

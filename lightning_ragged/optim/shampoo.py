@@ -170,7 +170,7 @@ class Shampoo(TiledOptimizer):
         if not tile.one_sided:
             pre = pre @ s["R_inv_root"]
         norm = pre.norm()
-        scale = graft_direction.norm() / norm if norm > 0 else torch.zeros((), device=pre.device)
+        scale = torch.where(norm > 0, graft_direction.norm() / norm, 0.0)  # no host sync (a CUDA `if`)
         return pre.mul_(scale * -lr)
 
     @staticmethod

@@ -28,6 +28,7 @@ from tests.models import lm_loss, make_batches, make_model  # noqa: E402
 STEPS = 6
 LOG_EVERY = 2
 PROBE_STEP = 3
+VAL_EVERY = 3  # a validation run after steps 3 and 6, inside logging windows
 
 
 class MemoryLogger(Logger):
@@ -57,6 +58,9 @@ class LM(pl.LightningModule):
 
     def training_step(self, batch, batch_idx):
         return lm_loss(self.model, batch)
+
+    def validation_step(self, batch, batch_idx):  # inside fit: its all-gathers are not a step's (metrics)
+        self.log("val_loss", lm_loss(self.model, batch), sync_dist=True)
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.1)
@@ -91,6 +95,7 @@ def main(out: Path, port: int) -> None:
         devices=2,
         strategy="ragged_fsdp",
         max_steps=STEPS,
+        val_check_interval=VAL_EVERY,  # plus Lightning's sanity check before the first step
         log_every_n_steps=LOG_EVERY,
         logger=logger,
         callbacks=[metrics, probe],
@@ -99,7 +104,7 @@ def main(out: Path, port: int) -> None:
         enable_model_summary=False,
     )
     module = LM()
-    trainer.fit(module, DataLoader(data, batch_size=2))
+    trainer.fit(module, DataLoader(data, batch_size=2), DataLoader(data[:4], batch_size=2))
     if trainer.global_rank != 0:
         return
     try:
@@ -121,4 +126,7 @@ def main(out: Path, port: int) -> None:
         for index, dbuffer in enumerate(group.dbuffers)
     ]
     records = [(step, {k: v for k, v in m.items() if k.startswith("ragged_fsdp/")}) for step, m in logger.records]
-    out.write_text(json.dumps(dict(seen=probe.seen, after_fit=after, buffers=buffers, records=records)))
+    records = [(step, values) for step, values in records if values]  # not the validation's own records
+    validations = sum("val_loss" in m for _, m in logger.records)
+    out.write_text(json.dumps(dict(seen=probe.seen, after_fit=after, buffers=buffers, records=records,
+                                   validations=validations)))

@@ -338,6 +338,8 @@ def test_callback_logs_named_keys_with_planned_bytes(fit_run):
 
     records = fit_run["records"]
     assert [step for step, _ in records] == list(range(LOG_EVERY, STEPS + 1, LOG_EVERY))
+    # validation ran inside fit (after steps 3 and 6); its all-gathers are in no step's counts (before: they were)
+    assert fit_run["validations"] == 2, fit_run["validations"]
     buffers = fit_run["buffers"]
     gather_bytes = sum(b["bytes"] * (1 if b["root"] else 2) for b in buffers)
     reduce_bytes = sum(b["bytes"] for b in buffers)

@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 
@@ -129,9 +130,16 @@ class RaggedFSDPMetrics(Callback):
         if self.metrics is not None:
             self.metrics.restart_step_clock()
 
+    # A validation inside fit (sanity check included; the stage is VALIDATING then, not TRAINING): its
+    # all-gathers and its time are not a training step's.
+    def on_validation_start(self, trainer: Any, pl_module: nn.Module) -> None:
+        if self.metrics is not None and trainer.state.fn == TrainerFn.FITTING:
+            self.metrics.begin_excluded()
+
     def on_validation_end(self, trainer: Any, pl_module: nn.Module) -> None:
-        if self.metrics is not None and trainer.training:
-            self.metrics.restart_step_clock()  # validation time is not step time
+        if self.metrics is not None and trainer.state.fn == TrainerFn.FITTING:
+            self.metrics.end_excluded()
+            self.metrics.restart_step_clock()
 
     def on_train_batch_start(self, trainer: Any, pl_module: nn.Module, batch: Any, batch_idx: int) -> None:
         if self.metrics is None:

@@ -174,6 +174,20 @@ class EngineMetrics:
             if copy_bytes is not None:
                 self._copy_bytes.append(copy_bytes)
 
+    def begin_excluded(self) -> None:
+        """Traffic from here to :meth:`end_excluded` (an evaluation inside ``fit``) is not a training step's:
+        what the step in progress moved so far goes into the window now."""
+        with self._lock:
+            self._collect_device_times()
+            self._fold()
+
+    def end_excluded(self) -> None:
+        """Drop the counters' growth since :meth:`begin_excluded` (device times of collectives still running
+        on the device then are counted later, in the window they complete in)."""
+        with self._lock:
+            self._collect_device_times()
+            self._last_totals = self._totals()
+
     def set_step(self, step: int) -> None:
         """The training step that diagnostics name (the Lightning callback sets the global step)."""
         for p in self.probes:

@@ -26,6 +26,7 @@ import reprlib
 from datetime import timedelta
 from typing import Any, Callable, Mapping, NoReturn, Optional
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
@@ -266,6 +267,12 @@ def _process_group_backend(value: Any) -> None:
         backend = part.rpartition(":")[2].strip().lower()
         if backend not in known:
             _refuse(f"{backend!r} is not a torch.distributed backend{_closest(backend, known)}", fix)
+        if not dist.is_backend_available(backend):  # else every rank fails in init_process_group, after spawning
+            _refuse(
+                f"{backend!r} is not available in this torch build ({torch.__version__}; "
+                f"torch.distributed.is_backend_available({backend!r}) is False)",
+                "pass 'gloo' (CPU), None (by device), or install a torch build that has it",
+            )
 
 
 def _timeout(value: Any) -> None:

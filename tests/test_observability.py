@@ -187,6 +187,42 @@ def test_device_timing_reads_event_pairs_lazily(dist_pool):
         assert real["ragged_fsdp/all_gathers"] > 0  # the fake clock stood still: device times are zero
         assert real["ragged_fsdp/all_gather_seconds"] == real["ragged_fsdp/comm_blocked_seconds"] == 0.0
 
+def check_excluded_span_device_times() -> dict:
+    from lightning_ragged.engine.events import EventKind, notify
+    from lightning_ragged.observability.metrics import EngineMetrics
+
+    device = FakeDevice()
+    model = lr.fully_shard(make_model())
+    metrics = EngineMetrics(model, event_factory=device.event)
+    a = next(iter(lr.get_state(model).dbuffers()))
+
+    def all_gather(start: float) -> None:  # 5 ms in flight, waited for at once
+        for at, kind in ((start, EventKind.UNSHARD_ISSUED), (start + 5.0, EventKind.UNSHARD_WAITED)):
+            device.now = at
+            notify(a, kind, "all_gather", seconds=1.0)
+
+    all_gather(0.0)  # the training step's, not complete on the device when the validation starts
+    device.done = False
+    metrics.end_step()
+    metrics.begin_excluded()
+    all_gather(10.0)  # the validation's two
+    all_gather(20.0)
+    device.done = True  # everything completes during the validation
+    metrics.totals()  # the monitor thread reads meanwhile
+    metrics.end_excluded()
+    metrics.end_step()  # a step without collectives
+    window = metrics.compute()
+    return {key: window[f"ragged_fsdp/{key}"] for key in ("all_gather_seconds", "comm_blocked_seconds")}
+
+
+def test_an_excluded_span_leaves_device_times_out_and_keeps_the_training_ones(dist_pool):
+    # Before: end_excluded folded the validation's device times (CUDA events) into the window: 7.5 ms per step
+    # here instead of 2.5 (review of the metrics change)
+    for result in dist_pool(2).run(check_excluded_span_device_times):
+        assert result["all_gather_seconds"] == pytest.approx(0.005 / 2), result
+        assert result["comm_blocked_seconds"] == pytest.approx(0.005 / 2), result
+
+
 class SlowDevice(FakeDevice):
     """``query()`` takes 50 ms and counts how many threads are inside it at once."""
 

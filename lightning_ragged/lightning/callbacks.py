@@ -139,7 +139,6 @@ class RaggedFSDPMetrics(Callback):
     def on_validation_end(self, trainer: Any, pl_module: nn.Module) -> None:
         if self.metrics is not None and trainer.state.fn == TrainerFn.FITTING:
             self.metrics.end_excluded()
-            self.metrics.restart_step_clock()
 
     def on_train_batch_start(self, trainer: Any, pl_module: nn.Module, batch: Any, batch_idx: int) -> None:
         if self.metrics is None:

@@ -82,7 +82,9 @@ class CollectiveTimer:
         self.blocked_seconds = 0.0
         self._last: TimingEvent | None = None
         self._issued: dict[Hashable, tuple[TimingEvent, TimingEvent | None]] = {}
-        self._waited: deque[tuple[bool, TimingEvent, TimingEvent, TimingEvent, TimingEvent]] = deque()
+        self._waited: deque[tuple[bool, TimingEvent, TimingEvent, TimingEvent, TimingEvent, bool]] = deque()
+        self.excluding = False
+        """While True, the collectives waited for count nowhere (an evaluation inside ``fit``; EngineMetrics)."""
 
     def _record(self) -> TimingEvent:
         event = self.factory()
@@ -113,7 +115,7 @@ class CollectiveTimer:
         if issued is not None:
             start, done = issued
             before = before if before is not None else start
-            self._waited.append((gather, start, before, end, done if done is not None else end))
+            self._waited.append((gather, start, before, end, done if done is not None else end, self.excluding))
 
     @property
     def pending(self) -> int:
@@ -123,10 +125,12 @@ class CollectiveTimer:
     def collect(self) -> None:
         """Add the times of every waited-for collective whose events completed (no synchronize)."""
         while self._waited:
-            gather, start, before, end, done = self._waited[0]
+            gather, start, before, end, done, excluded = self._waited[0]
             if not (end.query() and start.query() and before.query() and done.query()):
                 return  # later ones were recorded after it on the stream
             self._waited.popleft()
+            if excluded:
+                continue
             in_flight = max(start.elapsed_time(done), 0.0) / 1000
             if gather:
                 self.all_gather_seconds += in_flight

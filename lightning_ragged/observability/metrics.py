@@ -115,6 +115,7 @@ class EngineMetrics:
         # the monitor's scrape thread reads totals() while the training thread ends steps and computes:
         # one of them at a time reads the device events and moves the window (an RLock: compute reads them too)
         self._lock = threading.RLock()
+        self._excluded_since: float | None = None  # perf_counter() at begin_excluded, until end_excluded
         self._last_totals = self._totals()
         self._window = dict.fromkeys(_COUNTERS, 0.0)
         self._window_steps = 0
@@ -175,18 +176,31 @@ class EngineMetrics:
                 self._copy_bytes.append(copy_bytes)
 
     def begin_excluded(self) -> None:
-        """Traffic from here to :meth:`end_excluded` (an evaluation inside ``fit``) is not a training step's:
-        what the step in progress moved so far goes into the window now."""
+        """Traffic and time from here to :meth:`end_excluded` (an evaluation inside ``fit``) are not a training
+        step's: what the step in progress moved so far goes into the window now; the device timers mark the
+        collectives waited for in between, whenever their events complete."""
         with self._lock:
             self._collect_device_times()
             self._fold()
+            self._set_excluding(True)
+            self._excluded_since = time.perf_counter()
 
     def end_excluded(self) -> None:
-        """Drop the counters' growth since :meth:`begin_excluded` (device times of collectives still running
-        on the device then are counted later, in the window they complete in)."""
+        """Drop the counters' growth since :meth:`begin_excluded`, and its duration from the step in progress
+        (a validation between micro-batches keeps their time). Device times of training collectives that
+        completed meanwhile stay in the window."""
         with self._lock:
+            self._set_excluding(False)
             self._collect_device_times()
             self._last_totals = self._totals()
+            if self._excluded_since is not None:
+                self._step_started += time.perf_counter() - self._excluded_since
+                self._excluded_since = None
+
+    def _set_excluding(self, excluding: bool) -> None:
+        for p in self.probes:
+            if p.timer is not None:
+                p.timer.excluding = excluding
 
     def set_step(self, step: int) -> None:
         """The training step that diagnostics name (the Lightning callback sets the global step)."""

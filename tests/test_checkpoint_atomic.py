@@ -268,6 +268,10 @@ def test_a_restarted_job_removes_what_crashed_saves_of_other_names_left(tmp_path
         ck.save(tmp_path / "epoch=0-step=1", model, [optimizer], {"step": 1})  # unfinished: no meta.pt
     with pytest.raises(_Crash), atomic_dir.on_step(_raise_after("write_checksums")):
         ck.save(tmp_path / "epoch=0-step=2", model, [optimizer], {"step": 2})  # complete, never published
+    with pytest.raises(_Crash), atomic_dir.on_step(_raise_after("rename_meta")):
+        ck.save(tmp_path / "epoch=0-step=5", model, [optimizer], {"step": 5})  # meta.pt, no checksums: unfinished
+    with pytest.raises(_Crash), atomic_dir.on_step(_raise_after("remove_old")):
+        ck.save(tmp_path / "model.pt", model, [optimizer], {"step": 6}, full=True)  # published; its source copy left
     one, two = _two_checkpoints(tmp_path)
     last = tmp_path / "last.ckpt"  # an older two-rename publish killed between its renames
     os.replace(one, atomic_dir.hidden_sibling(last, ck.OLD_PREFIX))
@@ -279,7 +283,12 @@ def test_a_restarted_job_removes_what_crashed_saves_of_other_names_left(tmp_path
     (tmp_path / f"{atomic_dir.LINK_PREFIX}0123456789ab").symlink_to("absent")
     atomic_dir.file_part_path(tmp_path / "model.ckpt").write_bytes(b"torn")
     (tmp_path / ".ragged-probe-123-a").touch()
+    # a "full" file over a directory on a filesystem without exchange, killed between its two renames: the new
+    # file (its part) and the old directory are the two copies; the part is kept
+    atomic_dir.hidden_sibling(tmp_path / "weights.ckpt", ck.OLD_PREFIX).mkdir()
+    atomic_dir.file_part_path(tmp_path / "weights.ckpt").write_bytes(b"complete")
     unfinished = ck.partial_path(tmp_path / "epoch=0-step=1")
+    assert (ck.partial_path(tmp_path / "model.pt") / "checksums.json").is_file() and (tmp_path / "model.pt").is_file()
     left = {p.name for p in tmp_path.iterdir()}
 
     ck.save(tmp_path / "epoch=0-step=3", model, [optimizer], {"step": 3})  # this process: already swept
@@ -287,7 +296,8 @@ def test_a_restarted_job_removes_what_crashed_saves_of_other_names_left(tmp_path
     monkeypatch.setattr(atomic_dir, "_swept", set())  # the restarted job
     ck.save(tmp_path / "epoch=0-step=4", model, [optimizer], {"step": 4})
     removed = {unfinished.name, trash.name, f"{atomic_dir.LINK_PREFIX}0123456789ab",
-               atomic_dir.file_part_path(tmp_path / "model.ckpt").name, ".ragged-probe-123-a"}
+               atomic_dir.file_part_path(tmp_path / "model.ckpt").name, ".ragged-probe-123-a",
+               ck.partial_path(tmp_path / "epoch=0-step=5").name, ck.partial_path(tmp_path / "model.pt").name}
     assert {p.name for p in tmp_path.iterdir()} == (left - removed) | {"epoch=0-step=3", "epoch=0-step=4"}
     complete = ck.partial_path(tmp_path / "epoch=0-step=2")
     assert ck.load(complete, *_fresh_pair())["step"] == 2  # the complete unpublished copy is kept, loadable

@@ -283,9 +283,6 @@ def prepare_partial(path: Path, complete_marker: str) -> Path:
     """
     path = Path(path)
     tmp = partial_path(path)
-    if path.parent.resolve() not in _swept:
-        remove_leftovers(path.parent, complete_marker)
-        _swept.add(path.parent.resolve())
     if os.path.lexists(tmp):
         adopt = (
             not os.path.lexists(path)
@@ -303,37 +300,65 @@ def prepare_partial(path: Path, complete_marker: str) -> Path:
     return tmp
 
 
-def remove_leftovers(directory: Path, complete_marker: str) -> list[Path]:
+def remove_leftovers_once(directory: Path, finished_marker: str) -> None:
+    """:func:`remove_leftovers` at this process's first save into ``directory`` (rank 0; best effort)."""
+    key = Path(directory).resolve()
+    if key not in _swept:
+        _swept.add(key)
+        remove_leftovers(key, finished_marker)
+
+
+def remove_leftovers(directory: Path, finished_marker: str) -> list[Path]:
     """Delete what crashed saves and removals of *other* names left in ``directory``; the deleted, sorted.
 
     Names change from save to save (``epoch=0-step=100``, ...), so a save killed mid-write
     left a ``.ragged-partial-`` copy (up to a whole checkpoint) that no later save to the same
     name would clear, and a removal killed mid-``rmtree`` a ``.ragged-trash-`` one. Deleted:
-    every trash directory, single-file part, unused link and exchange probe, and every
-    partial copy without ``complete_marker`` (an unfinished save) that is not the new half
-    of a two-step publish (next to its ``.ragged-old-``). Kept: whatever may be the only
-    complete copy of a checkpoint (versions, ``.ragged-old-``, complete partial copies).
-    Rank 0 runs it at its first save into ``directory`` in this process, when no save of
-    this job writes there (one job per directory, as ``ModelCheckpoint`` assumes).
+    every trash directory, unused link and exchange probe; a single-file part and a partial
+    copy unless they are the new half of a two-step publish (next to their ``.ragged-old-``);
+    of the other partial copies, the unfinished ones (no ``finished_marker``, the file a save
+    writes last) and the finished ones whose name now holds something newer (the previous
+    checkpoint an exchange left there, or the copy a ``"full"`` save made its file from).
+    Kept: whatever may be the only complete copy (versions, ``.ragged-old-``, a finished copy
+    newer than its name: a save killed between its last file and its publish). One job per
+    directory, as ``ModelCheckpoint`` assumes; an entry that cannot be deleted is left.
     """
-    removed = []
+    directory = Path(directory)
+    removed: list[Path] = []
     try:
         entries = sorted(os.listdir(directory))
     except OSError:
         return removed
+    named = {_digest(directory / name): directory / name for name in entries if not name.startswith(".")}
     for name in entries:
-        entry = Path(directory) / name
-        if name.startswith((TRASH_PREFIX, LINK_PREFIX, FILE_PREFIX, ".ragged-probe-")):
+        entry = directory / name
+        digest = name.rsplit("-", 1)[-1].split(".", 1)[0]
+        beside_old = _is_real_dir(directory / f"{OLD_PREFIX}{digest}")
+        if name.startswith((TRASH_PREFIX, LINK_PREFIX, ".ragged-probe-")):
             stale = True
-        elif name.startswith(TMP_PREFIX):
-            next_to_old = _is_real_dir(entry.with_name(OLD_PREFIX + name[len(TMP_PREFIX):]))
-            stale = not next_to_old and not (entry / complete_marker).is_file()
+        elif name.startswith((FILE_PREFIX, TMP_PREFIX)):
+            stale = not beside_old and (
+                name.startswith(FILE_PREFIX)
+                or not (entry / finished_marker).is_file()
+                or _newer(named.get(digest), entry)
+            )
         else:
             stale = False
-        if stale and os.path.lexists(entry):
-            _remove_tree(entry)
+        if stale:
+            try:
+                _remove_tree(entry)
+            except OSError:
+                continue
             removed.append(entry)
     return removed
+
+
+def _newer(published: Path | None, copy: Path) -> bool:
+    """Whether ``published`` exists and was completed no earlier than ``copy``."""
+    try:
+        return published is not None and os.stat(published).st_mtime_ns >= os.stat(copy).st_mtime_ns
+    except OSError:
+        return False
 
 
 def _next_number(path: Path) -> int:

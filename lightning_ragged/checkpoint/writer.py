@@ -246,8 +246,13 @@ class CheckpointWriter:
             "checksums": checksums.MANIFEST_FILENAME,  # a directory without it is then known to be damaged
             **(extra_meta or {}),
         }
-        # an earlier save to this path that never finished is removed
-        failure = _attempt(lambda: atomic_dir.prepare_partial(path, META_FILENAME)) if is_rank_zero() else None
+        # an earlier save to this path that never finished is removed; at the first save into its directory in
+        # this process (no save of ours writes there yet), what crashed saves of other names left, too
+        def prepare() -> None:
+            atomic_dir.remove_leftovers_once(path.parent, checksums.MANIFEST_FILENAME)
+            atomic_dir.prepare_partial(path, META_FILENAME)
+
+        failure = _attempt(prepare) if is_rank_zero() else None
         _settle(failure, path, "preparing the directory", translating("barrier before writing"))
 
         def finish() -> None:

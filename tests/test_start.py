@@ -599,3 +599,26 @@ def test_a_kept_load_into_a_meta_model_does_not_warn_that_it_is_lost() -> None:
         warnings.simplefilter("always")
         plain.load_state_dict(state)
     assert len([w for w in caught if "is a no-op" in str(w.message)]) == len(state)
+
+
+def test_a_value_without_a_meta_form_still_loads_into_a_meta_model() -> None:
+    # The meta stand-in of a quantized value raised NotImplementedError (QuantizedMeta) where a plain meta-model
+    # load succeeds with torch's warning (review): such values keep torch's path and its warning.
+    import warnings
+
+    import torch
+    from torch import nn
+
+    from lightning_ragged.engine import meta_loads
+    from lightning_ragged.engine.init_record import recording
+
+    with torch.device("meta"), recording():
+        model = nn.Linear(4, 4)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        quantized = torch.quantize_per_tensor(torch.randn(4, 4), 0.1, 0, torch.qint8)
+        model.load_state_dict({"weight": quantized, "bias": torch.ones(4)})
+    assert [w for w in caught if "is a no-op" in str(w.message) and "weight" in str(w.message)]
+    assert not [w for w in caught if "is a no-op" in str(w.message) and "bias" in str(w.message)]
+    values = meta_loads.loaded_values(model)
+    assert values["weight"] is quantized and torch.equal(values["bias"], torch.ones(4))

@@ -59,9 +59,10 @@ class MetaLoads:
             if isinstance(tensor, torch.Tensor) and tensor.is_meta and key in state_dict:
                 value = state_dict[key]
                 self.values[id(tensor)] = (tensor, value)
-                if isinstance(value, torch.Tensor) and not value.is_meta:
+                if type(value) in (torch.Tensor, nn.Parameter) and not value.is_meta and not value.is_quantized:
                     # torch's own copy into the meta tensor is a no-op, and it would warn that the value is
-                    # lost: it gets a meta stand-in (this load's copy of the dict; the caller's is untouched)
+                    # lost: it gets a meta stand-in (this load's copy of the dict; the caller's is untouched).
+                    # Quantized values and tensor subclasses (no meta form) keep the warning.
                     state_dict[key] = torch.empty_like(value, device="meta")
 
     def take(self, model: nn.Module) -> dict[str, Any]:

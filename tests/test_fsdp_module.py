@@ -641,9 +641,19 @@ def check_shard_device(accelerator: str | None) -> dict:
     try:
         found = fsdp2_args.shard_device(model, None, None, None)
         given = fsdp2_args.shard_device(model, None, None, "cpu")
+        # FSDP2's order: blocks first (moved to the accelerator: fake CUDA shards stand for them here), then the
+        # root, whose own parameters are still on the CPU: the root's decision ignores the sharded children's
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        nested = nn.Sequential(nn.Linear(4, 4), nn.Sequential(nn.Linear(4, 4, bias=False)))
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            shard = nn.Parameter(torch.empty(8, device="cuda"))
+        shard.ragged_shard = "a sharded child's"
+        nested[1][0].weight = shard
+        root = fsdp2_args.shard_device(nested, None, None, None)
     finally:
         fsdp2_args.meta_shard_device = real
-    return {"found": found, "given": given}
+    return {"found": found, "given": given, "root": root}
 
 
 def test_a_cpu_model_moves_to_the_accelerator_of_its_backend_as_fsdp2(dist_pool) -> None:
@@ -652,9 +662,9 @@ def test_a_cpu_model_moves_to_the_accelerator_of_its_backend_as_fsdp2(dist_pool)
     # the rotary table or BatchNorm statistics met CUDA activations in forward.
     from lightning_ragged.engine.fsdp2_args import move_buffers
 
-    assert dist_pool(1).run(check_shard_device, None)[0] == {"found": None, "given": torch.device("cpu")}
+    assert dist_pool(1).run(check_shard_device, None)[0] == {"found": None, "given": torch.device("cpu"), "root": None}
     assert dist_pool(1).run(check_shard_device, "cuda:0")[0] == {
-        "found": torch.device("cuda:0"), "given": torch.device("cpu")}
+        "found": torch.device("cuda:0"), "given": torch.device("cpu"), "root": torch.device("cuda:0")}
     model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
     model[0].register_buffer("table", torch.arange(4.0), persistent=False)
     model[0].register_buffer("absent", None)

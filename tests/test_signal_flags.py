@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import torch.distributed as dist
 
-from lightning_ragged.lightning import signal_handlers
+from lightning_ragged.lightning import side_groups
 from lightning_ragged.lightning.signal_handlers import flags, flag_group, install
 
 
@@ -71,7 +71,7 @@ def test_both_flags_are_agreed_in_one_reduction_per_batch_end(dist_pool) -> None
 def check_flag_group(backend: str) -> dict:
     made = []
     real_backend, real_new_group = dist.get_backend, dist.new_group
-    signal_handlers._FLAG_GROUPS.clear()
+    side_groups._GROUPS.clear()
     dist.get_backend = lambda *args: backend
     dist.new_group = lambda **kwargs: made.append(kwargs) or "gloo group"
     try:
@@ -79,7 +79,7 @@ def check_flag_group(backend: str) -> dict:
         again = flag_group()
     finally:
         dist.get_backend, dist.new_group = real_backend, real_new_group
-        signal_handlers._FLAG_GROUPS.clear()
+        side_groups._GROUPS.clear()
     return {"group": group, "again": again, "made": made}
 
 

@@ -161,9 +161,9 @@ def fully_shard(
     if not dist.is_initialized():
         raise RuntimeError("fully_shard needs torch.distributed initialized (e.g. dist.init_process_group('gloo'))")
     process_group, replicate_group = groups_of_mesh(mesh, process_group, replicate_group)
+    check_unsupported(offload_policy, ignored_params, shard_placement_fn)
     device = shard_device(target, mesh, process_group, device)
     move_buffers(target, device)
-    check_unsupported(offload_policy, ignored_params, shard_placement_fn)
     world_size = dist.get_world_size(process_group)
     reshard_after_forward = check_reshard_after_forward(reshard_after_forward, world_size)
     flags = (("sync_module_states", sync_module_states), ("broadcast_buffers", broadcast_buffers),

@@ -66,7 +66,7 @@ def shard_device(
     """
     if device is not None:
         return torch.device(device)
-    params = list(target.parameters())
+    params = [p for p in target.parameters() if not hasattr(p, "ragged_shard")]  # not a sharded child's (FSDP2's order)
     if any(p.is_meta for p in params):
         return meta_shard_device(mesh, process_group)
     if params and all(p.device.type == "cpu" for p in params):

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 
+from lightning_ragged.lightning.side_groups import gloo_group
 from lightning_ragged.engine.collective_errors import PEER_LOST_PATTERNS, TIMEOUT_PATTERNS, CollectiveTimeoutError
 
 if TYPE_CHECKING:
@@ -37,10 +38,6 @@ AGREEMENT_TIMEOUT = timedelta(seconds=60)
 _BACKEND = re.compile(r"gloo|nccl|c10d|ProcessGroup|pair closure|watchdog", re.IGNORECASE)
 """Marks of a backend's error (a bare ``RuntimeError`` from a collective), not a user's "timed out"."""
 
-_GROUPS: dict[int, dist.ProcessGroup] = {}
-"""The agreement's gloo group, per default process group (built once, at a run's setup)."""
-
-
 def agreement_group(timeout: timedelta) -> Optional[dist.ProcessGroup]:
     """The gloo group the agreement runs on (collective the first time: every rank builds it at setup).
 
@@ -48,10 +45,7 @@ def agreement_group(timeout: timedelta) -> Optional[dist.ProcessGroup]:
     """
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return None
-    key = id(dist.distributed_c10d._get_default_group())
-    if key not in _GROUPS:
-        _GROUPS[key] = dist.new_group(backend="gloo", timeout=timeout)
-    return _GROUPS[key]
+    return gloo_group("exception agreement", timeout)
 
 
 class ExceptionAgreement(Callback):

@@ -18,6 +18,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 import lightning.pytorch as pl
 from lightning_ragged.checkpoint.timeout import group_timeout
+from lightning_ragged.lightning.side_groups import gloo_group
 
 C = TypeVar("C")
 
@@ -89,9 +90,6 @@ class SignalFlags(Callback):
     on_train_batch_start = on_validation_batch_start = on_test_batch_start = on_predict_batch_start = _next_batch
 
 
-_FLAG_GROUPS: dict[int, Optional[dist.ProcessGroup]] = {}
-
-
 def flag_group() -> Optional[dist.ProcessGroup]:
     """The group the flags are reduced on: the default one if it takes CPU tensors (gloo), else a gloo group.
 
@@ -100,11 +98,6 @@ def flag_group() -> Optional[dist.ProcessGroup]:
     """
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return None
-    key = id(dist.distributed_c10d._get_default_group())
-    if key not in _FLAG_GROUPS:
-        if "gloo" in str(dist.get_backend()):
-            _FLAG_GROUPS[key] = None
-        else:
-            timeout = group_timeout()
-            _FLAG_GROUPS[key] = dist.new_group(backend="gloo", **({"timeout": timeout} if timeout else {}))
-    return _FLAG_GROUPS[key]
+    if "gloo" in str(dist.get_backend()):
+        return None
+    return gloo_group("signal flags", group_timeout())

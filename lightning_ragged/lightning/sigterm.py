@@ -10,12 +10,12 @@ rank's all-gather: both wait until the process-group timeout (30 minutes by defa
 :class:`SIGTERMAgreement` takes the place of that one handler, for the Trainer of a
 ``RaggedFSDPStrategy``: the handler only forwards the signal to the processes Lightning started
 (as Lightning) and sets a flag. At every batch end (training, validation, test, predict) all ranks
-agree on the flag with one all-reduce, which replaces Lightning's per-batch broadcast of rank 0's
-flag (with the requeue signal's flag: one all-reduce of CPU integers, no device sync; signal_handlers.py); when any rank has it, every rank sets ``trainer.received_sigterm`` at that batch, and
-Lightning's own checks raise ``SIGTERMException`` on all of them at the same point: the
-``on_exception`` callbacks (``OnExceptionCheckpoint``) run with every rank present and the
-checkpoint is written. Under SLURM auto-requeue the requeue signal keeps its own agreement
-(``preemption.py``).
+agree on the flag with one all-reduce of CPU integers (no device sync), which replaces Lightning's
+per-batch broadcast of rank 0's flag; under SLURM auto-requeue the requeue signal's flag travels in
+the same all-reduce (``signal_handlers.SignalFlags``). When any rank has it, every rank sets
+``trainer.received_sigterm`` at that batch, and Lightning's own checks raise ``SIGTERMException``
+on all of them at the same point: the ``on_exception`` callbacks (``OnExceptionCheckpoint``) run
+with every rank present and the checkpoint is written. The requeue itself is ``preemption.py``'s.
 """
 
 from __future__ import annotations

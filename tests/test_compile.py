@@ -177,3 +177,84 @@ def test_compiled_blocks_match_eager(dist_pool, inductor_cache_dir, world_size):
         assert result["grouped_vs_oracle"] <= PARAM_TOL, result
     print(f"\nworld {world_size}: per step {results[0]['per_step']}; max param diff vs eager sharded "
           f"{results[0]['vs_eager']:.2e}, vs single process {results[0]['vs_oracle']:.2e}")
+
+
+# ------------------------------------------------------------------ an embedding group of its own
+class _Block(nn.Module):
+    def __init__(self, checkpointed: bool) -> None:
+        super().__init__()
+        self.norm, self.fc, self.checkpointed = nn.LayerNorm(16), nn.Linear(16, 16), checkpointed
+
+    def _residual(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc(self.norm(x))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.checkpointed:  # activation checkpointing written inside the block, as many models do
+            return torch.utils.checkpoint.checkpoint(self._residual, x, use_reentrant=False)
+        return self._residual(x)
+
+
+class _UntiedLM(nn.Module):
+    """An input embedding not tied to the head: the default grouping gives it a group of its own."""
+
+    def __init__(self, checkpointed: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(64, 16)
+        self.blocks = nn.ModuleList(_Block(checkpointed) for _ in range(2))
+        self.head = nn.Linear(16, 64)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def check_untied_model_compiles(how: str) -> dict:
+    """4 SGD steps of the sharded model compiled ``how`` vs the same sharded model eager (aot_eager: Dynamo's
+    part, which the failures were in, without Inductor's compile time)."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    breaks_before = dict(counters["graph_break"])  # the pool's workers keep Dynamo's counters across tests
+    checkpointed = how == "checkpointed blocks, fullgraph"
+    eager, sharded = (lr.fully_shard(_UntiedLM(checkpointed)) for _ in range(2))
+    if how == "whole model":
+        model = torch.compile(sharded, backend="aot_eager")
+    else:
+        for block in sharded.blocks:
+            block.compile(backend="aot_eager", fullgraph=checkpointed)
+        model = sharded
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (eager, sharded)]
+    generator = torch.Generator().manual_seed(dist.get_rank())
+    losses, graphs = [], []
+    for step in range(4):
+        tokens = torch.randint(0, 64, (2, 8), generator=generator)
+        before = counters["stats"]["unique_graphs"]
+        with torch.compiler.set_stance("default" if step == 0 else "fail_on_recompile"):
+            pair = [nn.functional.cross_entropy(m(tokens).flatten(0, 1), tokens.flatten()) for m in (eager, model)]
+        graphs.append(counters["stats"]["unique_graphs"] - before)
+        for loss, optimizer in zip(pair, optimizers):
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        losses.append([loss.item() for loss in pair])
+    return {"losses": losses, "graphs": graphs, "vs_eager": _max_diff(sharded, lr.full_state_dict(eager)),
+            "breaks": sorted(reason.splitlines()[0] for reason, count in counters["graph_break"].items()
+                             if count > breaks_before.get(reason, 0))}
+
+
+@pytest.mark.parametrize("how", ["whole model", "blocks", "checkpointed blocks, fullgraph"])
+def test_a_model_with_an_embedding_group_compiles(dist_pool, how):
+    # Before: torch.compile(model) raised InternalTorchDynamoError (the first forward's direct-read probe, a torch
+    # function mode, was entered inside the compiled forward); compiled blocks recompiled after the first step
+    # (the mode was gone); a block checkpointing inside its forward refused fullgraph=True (a check hook set an
+    # attribute inside the checkpoint's subgraph). Found by the compile sweep; FSDP2 compiles all three.
+    for result in dist_pool(2).run(check_untied_model_compiles, how):
+        assert result["graphs"][0] >= 1 and result["graphs"][1:] == [0, 0, 0], result
+        for eager_loss, compiled_loss in result["losses"]:
+            assert abs(compiled_loss - eager_loss) <= LOSS_TOL * abs(eager_loss), result
+        assert result["vs_eager"] <= PARAM_TOL, result
+        if how != "whole model":  # whole: the engine's hooks run eagerly between graphs (FSDP2's are special-cased)
+            assert result["breaks"] == [], result

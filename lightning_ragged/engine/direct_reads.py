@@ -16,13 +16,23 @@ when the probed forward ends, as they would have been after their own forward. N
 first happens after that forward (a head used only in later steps), or one outside any forward (a
 penalty on the table in ``training_step``: it reads the shard, as every parameter read outside its
 group's forward does).
+
+Under ``torch.compile`` there is no probe: a torch function mode entered in the middle of a compiled
+model's forward breaks Dynamo (an internal error), and one active while compiled blocks run the first
+step makes them recompile when it is gone. A compiled model (the root's forward called from compiled
+code, or a compiled submodule: ``module.compile()``, ``torch.compile(module)``) holds the probed
+groups instead, as if read outside: correct for any head, at the cost of holding the embedding's full
+table from its forward to its backward (FSDP2's default grouping holds it in the root group anyway).
 """
 
 from __future__ import annotations
 
+import os
+import sys
 from typing import Any
 
 import torch
+from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
@@ -38,8 +48,9 @@ _METADATA = frozenset(
 class DirectReadProbe(TorchFunctionMode):
     """Watches ``groups`` (those with no backward re-gather) through the first forward of their model."""
 
-    def __init__(self, groups: list[ShardGroup]) -> None:
+    def __init__(self, root: nn.Module, groups: list[ShardGroup]) -> None:
         super().__init__()
+        self.root = root
         self.groups = groups
         self._owner = {id(param): group for group in groups for _, _, param in group.unsharded_params()}
         self._running: set[int] = set()
@@ -65,7 +76,17 @@ class DirectReadProbe(TorchFunctionMode):
         if self._depth == 1:
             for group in self.groups:
                 group.held_through_forward = True
+            if _compiled(self.root):
+                self._hold_without_probing()
+                return
             self.__enter__()
+
+    def _hold_without_probing(self) -> None:
+        self.done = True
+        for group in self.groups:
+            group.read_outside_forward = True
+        for handle in self.handles:
+            handle.remove()
 
     def finish(self, grad_enabled: bool, completed: bool) -> None:
         """The root's forward ended (or raised: not ``completed``): decide which groups stay held, release the
@@ -92,3 +113,20 @@ class DirectReadProbe(TorchFunctionMode):
                 if group is not None and id(group) not in self._running:
                     group.read_outside_forward = True
         return func(*args, **kwargs)
+
+
+def _compiled(root: nn.Module) -> bool:
+    """Whether ``root``'s forward runs from compiled code or contains a compiled submodule."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")  # never imported: nothing was compiled
+    if eval_frame is None:
+        return False
+    if any(getattr(m, "_compiled_call_impl", None) is not None or isinstance(m, eval_frame.OptimizedModule)
+           for m in root.modules()):
+        return True
+    frame = sys._getframe(1)
+    while frame is not None:  # torch.compile(model): Dynamo's wrapper of the compiled call is on the stack
+        code = frame.f_code
+        if code.co_name == "compile_wrapper" and os.path.basename(code.co_filename) == "eval_frame.py":
+            return True
+        frame = frame.f_back
+    return False

@@ -30,7 +30,7 @@ def install_hooks(state: RaggedFSDPState) -> None:
     root_group = next((g for g in state.all_groups if g.is_root), None)
 
     unprobed = [g for g in state.all_groups if not (g.is_root or g.unshard_in_backward or g.read_outside_forward)]
-    probe = DirectReadProbe(unprobed) if unprobed else None
+    probe = DirectReadProbe(root, unprobed) if unprobed else None
     if probe is not None:
         state.handles += probe.handles
     check = ShardedCallCheck(root, state.all_groups)

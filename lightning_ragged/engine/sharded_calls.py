@@ -9,12 +9,15 @@ backward, and any evaluation forwards before it) each such submodule checks, as 
 holds its full parameters, and otherwise names itself, its group and the fixes. Such a call is part of
 the model's structure and shows in its first step; then the checks are removed and cost nothing.
 
-Under ``torch.compile`` a check traced into a graph returns at once (no graph break) and stays: removing
-a hook Dynamo traced would recompile that graph. Compiled code is therefore not checked.
+Under ``torch.compile`` a check traced into a graph returns at once (no graph break, and no side effect:
+an activation checkpoint's subgraph refuses any) and stays: removing a hook Dynamo traced would recompile
+that graph, so once Dynamo has compiled a graph in this process the checks are kept. Compiled code is
+therefore not checked.
 """
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import torch
@@ -30,8 +33,6 @@ class _CallCheck:
     def __init__(self, label: str, group: ShardGroup, gatherer: str, attr: str, dbuffer: DBuffer, param: str) -> None:
         self.label, self.group, self.gatherer = label, group, gatherer
         self.attr, self.dbuffer, self.param = attr, dbuffer, param
-        self.traced = False
-        """Dynamo traced this hook into a graph: removing it would recompile that graph, so it stays."""
         self.handle: Any = None
 
     def __deepcopy__(self, memo: dict) -> "_CallCheck":
@@ -39,7 +40,6 @@ class _CallCheck:
 
     def __call__(self, module: nn.Module, _args: tuple) -> None:
         if torch.compiler.is_compiling():
-            self.traced = True
             return
         shard = self.dbuffer.sharded_params[self.param]
         if module._parameters.get(self.attr) is not shard:
@@ -83,10 +83,15 @@ class ShardedCallCheck:
         return self._training_forwards < 2 and bool(self.checks)
 
     def training_forward_starts(self) -> None:
-        """The root's forward starts with gradients enabled: at the second such start, remove the checks no
-        compiled graph traced."""
+        """The root's forward starts with gradients enabled: at the second such start, remove the checks, unless
+        Dynamo compiled a graph in this process (it may have traced them)."""
         self._training_forwards += 1
-        if self._training_forwards == 2:
+        if self._training_forwards == 2 and not _dynamo_compiled_a_graph():
             for check in self.checks:
-                if not check.traced:
-                    check.handle.remove()
+                check.handle.remove()
+
+
+def _dynamo_compiled_a_graph() -> bool:
+    """Whether torch.compile produced a graph in this process (Dynamo's own counter; never imports Dynamo)."""
+    utils = sys.modules.get("torch._dynamo.utils")
+    return utils is not None and utils.counters["stats"]["unique_graphs"] > 0

@@ -292,12 +292,20 @@ def test_a_restarted_job_removes_what_crashed_saves_of_other_names_left(tmp_path
     left = {p.name for p in tmp_path.iterdir()}
 
     ck.save(tmp_path / "epoch=0-step=3", model, [optimizer], {"step": 3})  # this process: already swept
+    # what a two-step publish killed after its publish, before deleting the previous copy, leaves: that copy,
+    # older than the name
+    stale_old = atomic_dir.hidden_sibling(tmp_path / "epoch=0-step=3", ck.OLD_PREFIX)
+    stale_old.mkdir()
+    published = os.stat(tmp_path / "epoch=0-step=3").st_mtime_ns
+    os.utime(stale_old, ns=(published - 10**9, published - 10**9))
+    left.add(stale_old.name)
     assert left <= {p.name for p in tmp_path.iterdir()}
     monkeypatch.setattr(atomic_dir, "_swept", set())  # the restarted job
     ck.save(tmp_path / "epoch=0-step=4", model, [optimizer], {"step": 4})
     removed = {unfinished.name, trash.name, f"{atomic_dir.LINK_PREFIX}0123456789ab",
                atomic_dir.file_part_path(tmp_path / "model.ckpt").name, ".ragged-probe-123-a",
-               ck.partial_path(tmp_path / "epoch=0-step=5").name, ck.partial_path(tmp_path / "model.pt").name}
+               ck.partial_path(tmp_path / "epoch=0-step=5").name, ck.partial_path(tmp_path / "model.pt").name,
+               stale_old.name}
     assert {p.name for p in tmp_path.iterdir()} == (left - removed) | {"epoch=0-step=3", "epoch=0-step=4"}
     complete = ck.partial_path(tmp_path / "epoch=0-step=2")
     assert ck.load(complete, *_fresh_pair())["step"] == 2  # the complete unpublished copy is kept, loadable

@@ -314,14 +314,16 @@ def remove_leftovers(directory: Path, finished_marker: str) -> list[Path]:
     Names change from save to save (``epoch=0-step=100``, ...), so a save killed mid-write
     left a ``.ragged-partial-`` copy (up to a whole checkpoint) that no later save to the same
     name would clear, and a removal killed mid-``rmtree`` a ``.ragged-trash-`` one. Deleted:
-    every trash directory, unused link and exchange probe; a single-file part and a partial
-    copy unless they are the new half of a two-step publish (next to their ``.ragged-old-``);
-    of the other partial copies, the unfinished ones (no ``finished_marker``, the file a save
-    writes last) and the finished ones whose name now holds something newer (the previous
-    checkpoint an exchange left there, or the copy a ``"full"`` save made its file from).
-    Kept: whatever may be the only complete copy (versions, ``.ragged-old-``, a finished copy
-    newer than its name: a save killed between its last file and its publish). One job per
-    directory, as ``ModelCheckpoint`` assumes; an entry that cannot be deleted is left.
+    every trash directory, unused link and exchange probe; a ``.ragged-old-`` copy and a finished
+    partial copy (``finished_marker``, the file a save writes last) whose name now holds
+    something strictly newer (the previous checkpoint an exchange or a two-step publish left,
+    the copy a ``"full"`` save made its file from); an unfinished partial copy and a
+    single-file part, unless it is the new half of a two-step publish (next to its kept
+    ``.ragged-old-``). Kept: whatever may be the only complete copy (versions, a
+    ``.ragged-old-`` whose name is missing or not newer, a finished copy not older than its
+    name: a save killed between its last file and its publish; equal times, on filesystems
+    with coarse timestamps, count as not newer). One job per directory, as
+    ``ModelCheckpoint`` assumes; an entry that cannot be deleted is left.
     """
     directory = Path(directory)
     removed: list[Path] = []
@@ -330,18 +332,24 @@ def remove_leftovers(directory: Path, finished_marker: str) -> list[Path]:
     except OSError:
         return removed
     named = {_digest(directory / name): directory / name for name in entries if not name.startswith(".")}
+
+    def digest_of(name: str) -> str:
+        return name.rsplit("-", 1)[-1].split(".", 1)[0]
+
+    stale_old = {name for name in entries if name.startswith(OLD_PREFIX)
+                 and _newer(named.get(digest_of(name)), directory / name)}
     for name in entries:
         entry = directory / name
-        digest = name.rsplit("-", 1)[-1].split(".", 1)[0]
-        beside_old = _is_real_dir(directory / f"{OLD_PREFIX}{digest}")
-        if name.startswith((TRASH_PREFIX, LINK_PREFIX, ".ragged-probe-")):
+        digest = digest_of(name)
+        old = f"{OLD_PREFIX}{digest}"
+        beside_old = old not in stale_old and _is_real_dir(directory / old)
+        if name.startswith((TRASH_PREFIX, LINK_PREFIX, ".ragged-probe-")) or name in stale_old:
             stale = True
-        elif name.startswith((FILE_PREFIX, TMP_PREFIX)):
-            stale = not beside_old and (
-                name.startswith(FILE_PREFIX)
-                or not (entry / finished_marker).is_file()
-                or _newer(named.get(digest), entry)
-            )
+        elif name.startswith(FILE_PREFIX):  # no mark of completion: only a two-step publish's new half is kept
+            stale = not beside_old
+        elif name.startswith(TMP_PREFIX):
+            finished = (entry / finished_marker).is_file()
+            stale = _newer(named.get(digest), entry) if finished else not beside_old
         else:
             stale = False
         if stale:
@@ -349,14 +357,15 @@ def remove_leftovers(directory: Path, finished_marker: str) -> list[Path]:
                 _remove_tree(entry)
             except OSError:
                 continue
-            removed.append(entry)
+            if not os.path.lexists(entry):
+                removed.append(entry)
     return removed
 
 
 def _newer(published: Path | None, copy: Path) -> bool:
-    """Whether ``published`` exists and was completed no earlier than ``copy``."""
+    """Whether ``published`` exists and was completed strictly after ``copy`` (a tie keeps ``copy``)."""
     try:
-        return published is not None and os.stat(published).st_mtime_ns >= os.stat(copy).st_mtime_ns
+        return published is not None and os.stat(published).st_mtime_ns > os.stat(copy).st_mtime_ns
     except OSError:
         return False
 

@@ -222,6 +222,10 @@ def check_untied_model_compiles(how: str) -> dict:
     eager, sharded = (lr.fully_shard(_UntiedLM(checkpointed)) for _ in range(2))
     if how == "whole model":
         model = torch.compile(sharded, backend="aot_eager")
+    elif how == "compiled forwards":
+        for block in sharded.blocks:
+            block.forward = torch.compile(block.forward, backend="aot_eager")
+        model = sharded
     else:
         for block in sharded.blocks:
             block.compile(backend="aot_eager", fullgraph=checkpointed)
@@ -245,7 +249,7 @@ def check_untied_model_compiles(how: str) -> dict:
                              if count > breaks_before.get(reason, 0))}
 
 
-@pytest.mark.parametrize("how", ["whole model", "blocks", "checkpointed blocks, fullgraph"])
+@pytest.mark.parametrize("how", ["whole model", "blocks", "compiled forwards", "checkpointed blocks, fullgraph"])
 def test_a_model_with_an_embedding_group_compiles(dist_pool, how):
     # Before: torch.compile(model) raised InternalTorchDynamoError (the first forward's direct-read probe, a torch
     # function mode, was entered inside the compiled forward); compiled blocks recompiled after the first step

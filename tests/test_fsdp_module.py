@@ -651,9 +651,14 @@ def check_shard_device(accelerator: str | None) -> dict:
         shard.ragged_shard = "a sharded child's"
         nested[1][0].weight = shard
         root = fsdp2_args.shard_device(nested, None, None, None)
+        # torchtitan's order: every parameter in a child, the root owning only a buffer (freqs_cis)
+        buffers_only = nn.Sequential(nn.Sequential(nn.Linear(4, 4, bias=False)))
+        buffers_only.register_buffer("freqs", torch.ones(4), persistent=False)
+        buffers_only[0][0].weight = shard
+        root_buffers = fsdp2_args.shard_device(buffers_only, None, None, None)
     finally:
         fsdp2_args.meta_shard_device = real
-    return {"found": found, "given": given, "root": root}
+    return {"found": found, "given": given, "root": root, "root_buffers": root_buffers}
 
 
 def test_a_cpu_model_moves_to_the_accelerator_of_its_backend_as_fsdp2(dist_pool) -> None:
@@ -662,9 +667,11 @@ def test_a_cpu_model_moves_to_the_accelerator_of_its_backend_as_fsdp2(dist_pool)
     # the rotary table or BatchNorm statistics met CUDA activations in forward.
     from lightning_ragged.engine.fsdp2_args import move_buffers
 
-    assert dist_pool(1).run(check_shard_device, None)[0] == {"found": None, "given": torch.device("cpu"), "root": None}
+    assert dist_pool(1).run(check_shard_device, None)[0] == {
+        "found": None, "given": torch.device("cpu"), "root": None, "root_buffers": None}
+    cuda = torch.device("cuda:0")
     assert dist_pool(1).run(check_shard_device, "cuda:0")[0] == {
-        "found": torch.device("cuda:0"), "given": torch.device("cpu"), "root": torch.device("cuda:0")}
+        "found": cuda, "given": torch.device("cpu"), "root": cuda, "root_buffers": cuda}
     model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
     model[0].register_buffer("table", torch.arange(4.0), persistent=False)
     model[0].register_buffer("absent", None)

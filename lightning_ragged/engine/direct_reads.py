@@ -20,9 +20,11 @@ group's forward does).
 Under ``torch.compile`` there is no probe: a torch function mode entered in the middle of a compiled
 model's forward breaks Dynamo (an internal error), and one active while compiled blocks run the first
 step makes them recompile when it is gone. A compiled model (the root's forward called from compiled
-code, or a compiled submodule: ``module.compile()``, ``torch.compile(module)``) holds the probed
-groups instead, as if read outside: correct for any head, at the cost of holding the embedding's full
-table from its forward to its backward (FSDP2's default grouping holds it in the root group anyway).
+code, a compiled submodule: ``module.compile()``, ``torch.compile(module)``, or a ``forward`` replaced
+by its compiled self) holds the probed groups instead, as if read outside: correct for any head, at
+the cost of holding the embedding's full table from its forward to its backward (FSDP2's default
+grouping holds it in the root group anyway). A function compiled elsewhere and called from a
+module's forward is not seen: it is traced under the probe in the first step and recompiled once.
 """
 
 from __future__ import annotations
@@ -116,17 +118,23 @@ class DirectReadProbe(TorchFunctionMode):
 
 
 def _compiled(root: nn.Module) -> bool:
-    """Whether ``root``'s forward runs from compiled code or contains a compiled submodule."""
-    eval_frame = sys.modules.get("torch._dynamo.eval_frame")  # never imported: nothing was compiled
-    if eval_frame is None:
-        return False
-    if any(getattr(m, "_compiled_call_impl", None) is not None or isinstance(m, eval_frame.OptimizedModule)
-           for m in root.modules()):
-        return True
+    """Whether ``root``'s forward runs from compiled code or contains compiled code: a module compiled with
+    ``module.compile()`` or ``torch.compile(module)``, a ``forward`` replaced by ``torch.compile(forward)``, or the
+    root called from a compiled function (Dynamo's wrapper of the compiled call is on the stack)."""
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    for module in root.modules():
+        forward = module.__dict__.get("forward")
+        if getattr(module, "_compiled_call_impl", None) is not None or isinstance(module, OptimizedModule) \
+                or _is_compile_wrapper(getattr(forward, "__code__", None)):
+            return True
     frame = sys._getframe(1)
-    while frame is not None:  # torch.compile(model): Dynamo's wrapper of the compiled call is on the stack
-        code = frame.f_code
-        if code.co_name == "compile_wrapper" and os.path.basename(code.co_filename) == "eval_frame.py":
+    while frame is not None:
+        if _is_compile_wrapper(frame.f_code):
             return True
         frame = frame.f_back
     return False
+
+
+def _is_compile_wrapper(code: Any) -> bool:
+    return code is not None and code.co_name == "compile_wrapper" and os.path.basename(code.co_filename) == "eval_frame.py"

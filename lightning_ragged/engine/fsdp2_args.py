@@ -69,7 +69,10 @@ def shard_device(
     params = [p for p in target.parameters() if not hasattr(p, "ragged_shard")]  # not a sharded child's (FSDP2's order)
     if any(p.is_meta for p in params):
         return meta_shard_device(mesh, process_group)
-    if params and all(p.device.type == "cpu" for p in params):
+    if any(p.device.type != "cpu" for p in params):
+        return None  # placed by the user
+    buffers = [b for b in target.buffers() if not b.is_meta]
+    if params or any(b.device.type == "cpu" for b in buffers):  # a root that owns only buffers (rotary tables) too
         found = meta_shard_device(mesh, process_group)
         return found if found.type != "cpu" else None
     return None

@@ -11,8 +11,8 @@ the model's structure and shows in its first step; then the checks are removed a
 
 Under ``torch.compile`` a check traced into a graph returns at once (no graph break, and no side effect:
 an activation checkpoint's subgraph refuses any) and stays: removing a hook Dynamo traced would recompile
-that graph, so once Dynamo has compiled a graph in this process the checks are kept. Compiled code is
-therefore not checked.
+that graph, so where Dynamo compiled a graph during the first training step the checks are kept.
+Compiled code is therefore not checked.
 """
 
 from __future__ import annotations
@@ -77,6 +77,7 @@ class ShardedCallCheck:
                 self.checks.append(check)
         self.handles = [check.handle for check in self.checks]
         self._training_forwards = 0
+        self._graphs_before = 0
 
     @property
     def active(self) -> bool:
@@ -84,14 +85,16 @@ class ShardedCallCheck:
 
     def training_forward_starts(self) -> None:
         """The root's forward starts with gradients enabled: at the second such start, remove the checks, unless
-        Dynamo compiled a graph in this process (it may have traced them)."""
+        Dynamo compiled a graph during the first training step (it may have traced them)."""
         self._training_forwards += 1
-        if self._training_forwards == 2 and not _dynamo_compiled_a_graph():
+        if self._training_forwards == 1:
+            self._graphs_before = _graphs_compiled()
+        elif self._training_forwards == 2 and _graphs_compiled() == self._graphs_before:
             for check in self.checks:
                 check.handle.remove()
 
 
-def _dynamo_compiled_a_graph() -> bool:
-    """Whether torch.compile produced a graph in this process (Dynamo's own counter; never imports Dynamo)."""
+def _graphs_compiled() -> int:
+    """Graphs torch.compile produced in this process so far (Dynamo's own counter; never imports Dynamo)."""
     utils = sys.modules.get("torch._dynamo.utils")
-    return utils is not None and utils.counters["stats"]["unique_graphs"] > 0
+    return 0 if utils is None else utils.counters["stats"]["unique_graphs"]

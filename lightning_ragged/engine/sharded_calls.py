@@ -11,7 +11,7 @@ the model's structure and shows in its first step; then the checks are removed a
 
 Under ``torch.compile`` a check traced into a graph returns at once (no graph break, and no side effect:
 an activation checkpoint's subgraph refuses any) and stays: removing a hook Dynamo traced would recompile
-that graph, so where Dynamo compiled a graph during the first training step the checks are kept.
+that graph, so where Dynamo compiled a graph since the model was sharded the checks are kept.
 Compiled code is therefore not checked.
 """
 
@@ -77,7 +77,7 @@ class ShardedCallCheck:
                 self.checks.append(check)
         self.handles = [check.handle for check in self.checks]
         self._training_forwards = 0
-        self._graphs_before = 0
+        self._graphs_before = _graphs_compiled()
 
     @property
     def active(self) -> bool:
@@ -85,11 +85,9 @@ class ShardedCallCheck:
 
     def training_forward_starts(self) -> None:
         """The root's forward starts with gradients enabled: at the second such start, remove the checks, unless
-        Dynamo compiled a graph during the first training step (it may have traced them)."""
+        Dynamo compiled a graph since the model was sharded (it may have traced them)."""
         self._training_forwards += 1
-        if self._training_forwards == 1:
-            self._graphs_before = _graphs_compiled()
-        elif self._training_forwards == 2 and _graphs_compiled() == self._graphs_before:
+        if self._training_forwards == 2 and _graphs_compiled() == self._graphs_before:
             for check in self.checks:
                 check.handle.remove()
 

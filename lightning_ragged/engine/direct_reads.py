@@ -137,4 +137,6 @@ def _compiled(root: nn.Module) -> bool:
 
 
 def _is_compile_wrapper(code: Any) -> bool:
-    return code is not None and code.co_name == "compile_wrapper" and os.path.basename(code.co_filename) == "eval_frame.py"
+    """Dynamo's wrapper around a compiled call (torch/_dynamo/eval_frame.py)."""
+    return code is not None and code.co_name == "compile_wrapper" \
+        and os.path.basename(code.co_filename) == "eval_frame.py"

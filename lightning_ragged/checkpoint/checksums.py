@@ -123,7 +123,13 @@ class Manifest:
                 path: {int(e["offset"]): {k: v for k, v in e.items() if k != "offset"} for e in entries}
                 for path, entries in data["items"].items()
             }
-            return cls(items, dict(data["files"]))
+            files = dict(data["files"])
+            for name, entry in files.items():
+                _check_entry(name, entry, "size")
+            for path, entries in items.items():
+                for entry in entries.values():
+                    _check_entry(path, entry, "length")
+            return cls(items, files)
         except (ValueError, KeyError, TypeError, AttributeError) as error:
             raise ValueError(f"{file} is unreadable ({type(error).__name__}: {error})") from error
 
@@ -164,6 +170,12 @@ class Manifest:
                 f"{name} has {ALGORITHM} {crc} ({len(data)} bytes), the checkpoint recorded {entry['crc32']} ({entry['size']} bytes)",
                 name,
             )
+
+
+def _check_entry(name: str, entry: Any, count: str) -> None:
+    """A manifest entry read from JSON holds a byte count and a checksum (``ValueError`` otherwise)."""
+    if not (isinstance(entry, dict) and type(entry.get(count)) is int and entry[count] >= 0 and isinstance(entry.get("crc32"), str)):
+        raise ValueError(f"the entry of {name!r} is not {{{count!r}: bytes, 'crc32': checksum}}: {str(entry)[:80]}")
 
 
 # ---------------------------------------------------------------------- DCP storage

@@ -61,6 +61,7 @@ def consolidate(
     )
     output = Path(output_file)
     part = output.with_name(f".{output.name}.partial")
+    part.unlink(missing_ok=True)  # an earlier run's leftover; a link is removed, never written through
     write_full_checkpoint(info, part, batch_bytes=batch_bytes)
     remove_sidecar(output)
     os.replace(part, output)

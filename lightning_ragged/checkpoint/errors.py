@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import pickle
 from typing import Any
 
 from lightning_ragged.checkpoint import safe_unpickle
@@ -63,8 +62,4 @@ def untrusted(source: Any, error: BaseException) -> UntrustedCheckpointError:
     return UntrustedCheckpointError(f"{source} holds objects beyond tensors and plain containers ({detail}). {TRUST_HINT}")
 
 
-def is_refusal(error: BaseException) -> bool:
-    """A weights-only / allow-list refusal (code could run), as opposed to a damaged file."""
-    return isinstance(error, safe_unpickle.RefusedPickleError) or (
-        isinstance(error, pickle.UnpicklingError) and "Weights only load failed" in str(error)
-    )
+is_refusal = safe_unpickle.is_refusal

@@ -69,6 +69,8 @@ def export_hf(
     if config_file is not None:
         names = _drop_tied_and_check(names, info, config_file, prefix)
     part = output.with_name(f".{output.name}.partial")
+    if part.is_symlink():  # an earlier run's leftover is removed; a link is removed, never written through
+        part.unlink()
     shutil.rmtree(part, ignore_errors=True)
     part.mkdir(parents=True)
     try:

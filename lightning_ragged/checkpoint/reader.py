@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import pickle
 import warnings
 from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
@@ -21,7 +22,7 @@ from typing import Any, Iterator, Mapping, Sequence
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 
-from lightning_ragged.checkpoint import atomic_dir, checksums, safe_unpickle
+from lightning_ragged.checkpoint import atomic_dir, bounded_reads, checksums, metadata_checks, safe_unpickle
 from lightning_ragged.checkpoint.dcp import quiet_without_process_group
 from lightning_ragged.checkpoint.errors import (
     CheckpointError,
@@ -155,6 +156,8 @@ class _CheckpointReader(checksums.VerifyingReaderMixin, safe_unpickle.SafeMetada
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
+        if not self.trusted and not isinstance(self.transforms, bounded_reads.BoundedTransforms):
+            self.transforms = bounded_reads.BoundedTransforms(self.transforms, self.storage_data, metadata)
         if self.manifest is not None and not checksums.reader_hook_available(dcp.FileSystemReader):
             raise CheckpointError(  # pragma: no cover - a torch without FileSystemReader._slice_file
                 "this torch's FileSystemReader has no _slice_file hook, so checksums cannot be verified while "
@@ -176,7 +179,16 @@ def _named_load_error(path: Path, error: BaseException) -> BaseException:
             return ChecksumMismatchError(f"{path / cause.file} is corrupt: {cause}", path / cause.file, cause.tensor)
         if is_refusal(cause):
             return untrusted(f"{path} (a pickled item of its shards)", cause)
+    for cause in causes:
+        if isinstance(cause, _DAMAGE):
+            detail = safe_unpickle.refusal_detail(cause) if isinstance(cause, pickle.UnpicklingError) else str(cause)[:300]
+            return CorruptCheckpointError(f"{path} is damaged: reading its shards failed ({type(cause).__name__}: {detail})")
     return error
+
+
+_DAMAGE = (pickle.UnpicklingError, EOFError, OSError, AssertionError, KeyError, IndexError, ValueError, TypeError)
+"""What DCP raises on bytes or metadata that no save wrote (after ``metadata_checks``: item bytes that do not
+decode, an item length past its file, a chunk record whose tensor differs from the one declared)."""
 
 
 def _describe_unfinished(path: Path) -> str:
@@ -256,13 +268,17 @@ def inspect_checkpoint(
     # checksums are compared, so that a format version newer than ours is reported as such, and a
     # refusal as a refusal; a file that does not unpickle is checked first (a checksum mismatch
     # says more than "unreadable"). Trusted, they are checked before they are unpickled.
-    metadata_bytes = metadata_file.read_bytes()
-    meta_bytes = (path / META_FILENAME).read_bytes()
+    metadata_bytes = _read_small_file(path, ".metadata", manifest)
+    meta_bytes = _read_small_file(path, META_FILENAME, manifest)
     if trusted:
         _verify_small_file(path, ".metadata", metadata_bytes, manifest)
         _verify_small_file(path, META_FILENAME, meta_bytes, manifest)
     try:
-        metadata = safe_unpickle.load_dcp_metadata(metadata_bytes, trusted=trusted)
+        if metadata_bytes is None:
+            with open(metadata_file, "rb") as stream:  # streamed: the unpickler stops at its end, whatever the file's size
+                metadata = safe_unpickle.load_dcp_metadata(stream, trusted=trusted)
+        else:
+            metadata = safe_unpickle.load_dcp_metadata(metadata_bytes, trusted=trusted)
     except Exception as error:
         if is_refusal(error):
             raise untrusted(metadata_file, error) from error
@@ -273,8 +289,13 @@ def inspect_checkpoint(
     except CorruptCheckpointError:
         _verify_small_file(path, META_FILENAME, meta_bytes, manifest)
         raise
+    if not isinstance(meta, dict):
+        _verify_small_file(path, META_FILENAME, meta_bytes, manifest)
+        raise CorruptCheckpointError(f"{path / META_FILENAME} is damaged: it holds a {type(meta).__name__}, not a dict")
     info = CheckpointInfo(path, metadata, meta, manifest=manifest, trusted=trusted)
     fmt = info.format
+    if not isinstance(fmt, dict):
+        raise CorruptCheckpointError(f"{path / META_FILENAME} is damaged: its {FORMAT_KEY!r} record is a {type(fmt).__name__}")
     if not fmt:
         # A Lightning/FSDP2 sharded checkpoint (no ragged format record): readable, version 0.
         fmt = {"format_version": 0}
@@ -286,6 +307,7 @@ def inspect_checkpoint(
         )
     _verify_small_file(path, ".metadata", metadata_bytes, manifest)
     _verify_small_file(path, META_FILENAME, meta_bytes, manifest)
+    metadata_checks.check_structure(path, metadata)
     if verify_checksums and manifest is None and fmt.get("checksums"):
         raise CorruptCheckpointError(
             f"{path} is damaged: its checksums ('{fmt['checksums']}') are missing, though the save recorded them "
@@ -300,13 +322,29 @@ def inspect_checkpoint(
     return info
 
 
-def _verify_small_file(directory: Path, name: str, data: bytes, manifest: checksums.Manifest | None) -> None:
-    """Check a small file of the checkpoint (read whole) against the manifest."""
-    if manifest is not None:
-        try:
-            manifest.verify_file_bytes(name, data)
-        except checksums.ChecksumMismatch as error:
-            raise ChecksumMismatchError(f"{directory / name} is corrupt: {error}", directory / name) from error
+def _read_small_file(directory: Path, name: str, manifest: checksums.Manifest | None) -> bytes | None:
+    """A small file, read whole when the manifest records it at its present size; else None, and it is read
+    as a stream (a huge or sparse file is never taken into memory; ``_verify_small_file`` refuses it)."""
+    recorded = manifest.files.get(name) if manifest is not None else None
+    if recorded is None or (directory / name).stat().st_size != recorded["size"]:
+        return None
+    return (directory / name).read_bytes()
+
+
+def _verify_small_file(directory: Path, name: str, data: bytes | None, manifest: checksums.Manifest | None) -> None:
+    """Check a small file of the checkpoint against the manifest (``data``: its bytes, None if not read whole)."""
+    recorded = manifest.files.get(name) if manifest is not None else None
+    if recorded is None:
+        return
+    if data is None:
+        size = (directory / name).stat().st_size
+        raise ChecksumMismatchError(
+            f"{directory / name} is corrupt: it has {size} bytes, the checkpoint recorded {recorded['size']} bytes", directory / name
+        )
+    try:
+        manifest.verify_file_bytes(name, data)
+    except checksums.ChecksumMismatch as error:
+        raise ChecksumMismatchError(f"{directory / name} is corrupt: {error}", directory / name) from error
 
 
 def _load_meta(file: Path, trusted: bool, data: bytes | None = None) -> dict[str, Any]:

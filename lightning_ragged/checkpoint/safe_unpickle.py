@@ -130,13 +130,30 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         try:
             loaded = torch_load(value, trusted=False)
         except pickle.UnpicklingError as error:
-            raise RefusedPickleError(f"item {read_item.dest_index.fqn!r}: {refusal_detail(error)}") from error
+            if is_refusal(error):
+                raise RefusedPickleError(f"item {read_item.dest_index.fqn!r}: {refusal_detail(error)}") from error
+            raise pickle.UnpicklingError(f"item {read_item.dest_index.fqn!r} is damaged: {refusal_detail(error)}") from error
         if self.flatten_state_dict:
             from torch.distributed.checkpoint._traverse import set_element
 
             set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
         else:
             self.state_dict[read_item.dest_index.fqn] = loaded
+
+
+_REFUSED = ("GLOBAL", "unrecognized function", "Can only create new object", "Can only build")
+"""Heads of torch's weights-only messages for an object it will not build (code could run). Its
+others ("Unsupported operand", "String is too long", "Can only append to lists") mean damaged bytes."""
+
+
+def is_refusal(error: BaseException) -> bool:
+    """A weights-only / allow-list refusal (code could run), as opposed to a damaged file."""
+    if isinstance(error, RefusedPickleError):
+        return True
+    text = str(error)
+    return isinstance(error, pickle.UnpicklingError) and "Weights only load failed" in text and any(
+        marker in refusal_detail(error) for marker in _REFUSED
+    )
 
 
 def refusal_detail(error: BaseException) -> str:

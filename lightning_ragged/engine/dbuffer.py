@@ -395,8 +395,9 @@ class DBuffer:
         self.free_unsharded_grad(adopted=adopted)
 
     def used_flags(self) -> list[bool]:
-        """Per trainable parameter (in order): did a gradient reach it since the last reduction?"""
-        return [name in self._used for name, p in self.sharded_params.items() if p.requires_grad]
+        """Per parameter (in order; frozen ones too: frozen after a no_sync micro-batch gave them a gradient, they
+        carry it): did a gradient reach it since the last reduction?"""
+        return [name in self._used for name in self.sharded_params]
 
     def settle_unused(self, used_anywhere: Sequence[bool]) -> None:
         """After the reduction: a parameter no rank used keeps ``grad is None`` (as DDP and FSDP2)."""

@@ -31,7 +31,7 @@ class ShardedGrad:
         self.was_none: set[str] = set()
         """Shards whose ``.grad`` was None before the last write (a parameter no rank used keeps None)."""
         self.used: set[str] = set()
-        """Trainable shards some rank got a gradient for since the reduction before the last (``settle_unused``)."""
+        """Shards some rank got a gradient for since the reduction before the last (``settle_unused``)."""
         self._flat: weakref.ref[torch.Tensor] | None = None
 
     @property
@@ -70,16 +70,14 @@ class ShardedGrad:
                         view.copy_(param.grad)
                 flat.add_(segment, alpha=scale)
         self.flat = flat
-        for name, param in params.items():
-            if param.requires_grad:
-                param.grad = flat[self.slices[name]]
+        for name, param in params.items():  # frozen ones too: one frozen since a no_sync micro-batch carries its
+            param.grad = flat[self.slices[name]]  # gradient (as DDP's .grad); settle_unused unsets those with none
         return adopted
 
     def settle_unused(self, params: Mapping[str, nn.Parameter], used_anywhere: Sequence[bool]) -> None:
-        """Back to ``grad = None`` for each trainable shard (in order) that no rank used and that had none before."""
-        trainable = [name for name, param in params.items() if param.requires_grad]
-        self.used = {name for name, used in zip(trainable, used_anywhere) if used}
-        for name, used in zip(trainable, used_anywhere):
+        """Back to ``grad = None`` for each shard (in order) that no rank used and that had none before."""
+        self.used = {name for name, used in zip(params, used_anywhere) if used}
+        for name, used in zip(params, used_anywhere):
             if not used and name in self.was_none:
                 params[name].grad = None
 

@@ -295,7 +295,8 @@ QWEN_HEADS = {"q_proj": 4, "k_proj": 2, "v_proj": 2}  # head_dim 8: q [32, 32] i
 MOE_CASES = {
     # case: (shard_granularity, block_rows, which Muon params, qkv_heads, adjust_lr_fn, attention and
     # experts as their own groups)
-    "row-experts": ("row", 128, "experts", None, None, False),  # a row of an expert stack is one expert
+    "muon-experts": ("muon", 128, "experts", None, None, False),  # each expert of a stack whole
+    "row-experts": ("row", 128, "experts", None, None, False),  # a row of a stack is a row of one expert: cut inside
     "muon-all": ("muon", 128, "all", QWEN_HEADS, "match_rms_adamw", False),  # 2-D whole, experts whole
     "block-heads": ("block", 8, "attention", QWEN_HEADS, None, False),  # block_rows = head_dim: heads whole
     "element-all": ("element", 128, "all", QWEN_HEADS, "match_rms_adamw", False),  # cuts inside experts
@@ -385,17 +386,18 @@ def test_muon_per_expert_and_per_head_match_torch_muon(dist_pool, world_size):
         counts = [r[case]["counts"] for r in per_rank]
         assert result["moved"] > 1e-2, (case, result)
         assert result["diff"] <= 1e-5, (case, result)  # measured: 0.0 (same bf16 Newton–Schulz per matrix)
-        if case in ("row-experts", "muon-all", "block-heads"):  # every expert / head / matrix whole
+        if case in ("muon-experts", "muon-all", "block-heads"):  # every expert / head / matrix whole
             assert result["split"] == 0, (case, result)
             assert all(c == 0 for rank_counts in counts for c in rank_counts), (case, counts)
         elif result["split"]:  # one all-to-all gathers every split expert / head, one scatters back
             assert all(c == 2 for rank_counts in counts for c in rank_counts), (case, counts)
     experts = 2 * 2 * 16  # 2 layers x (gate_up_proj, down_proj) x 16 experts
-    assert per_rank[0]["row-experts"]["owned"] == experts
+    assert per_rank[0]["muon-experts"]["owned"] == experts
     # muon-all: the experts, 2 layers x (8 heads of q/k/v + o_proj + router gate)
     assert per_rank[0]["muon-all"]["owned"] == experts + 2 * (8 + 2)
     # the gather path really ran, per expert and per head
     assert "expert" in per_rank[0]["element-all"]["split_kinds"], per_rank[0]["element-all"]
+    assert "expert" in per_rank[0]["row-experts"]["split_kinds"], per_rank[0]["row-experts"]
     assert "head" in per_rank[0]["element-groups"]["split_kinds"], per_rank[0]["element-groups"]
     assert per_rank[0]["element-groups"]["owned"] + per_rank[0]["element-groups"]["split"] == experts + 2 * (8 + 2)
     assert per_rank[0]["block-heads"]["owned"] == 2 * 8

@@ -27,16 +27,27 @@ def is_muon_matrix(name: str, shape: Sequence[int], non_muon: Iterable[str] = NO
     return len(shape) in (2, 3) and not any(part in name for part in non_muon)
 
 
-def row_numel(shape: torch.Size) -> int:
-    """Elements in one row: the product of all dims after the first (1 for 0-D/1-D)."""
-    return math.prod(shape[1:]) if len(shape) > 1 else 1
+def row_numel(shape: Sequence[int]) -> int:
+    """Elements in one row of a matrix: ``shape[-1]`` for 2-D and for 3-D, a stack of matrices ``[E, a, b]``
+    (fused MoE experts: a row of one expert; were it ``a*b``, a whole expert would be the smallest cut, and
+    8 experts could not be spread over 1,024 ranks); ``numel / shape[0]`` from 4-D on (a conv filter);
+    1 for 0-D/1-D."""
+    if len(shape) <= 1:
+        return 1
+    return shape[-1] if len(shape) <= 3 else math.prod(shape[1:])
+
+
+def matrix_numel(shape: Sequence[int]) -> int:
+    """Elements in one matrix Muon orthogonalizes: the whole 2-D tensor, one expert ``a*b`` of a 3-D stack."""
+    return math.prod(shape[-2:])
 
 
 def resolve_granularity(policy: GranularityPolicy, name: str, param: torch.Tensor, block_rows: int = 128) -> int:
     """Granularity in elements for one parameter under ``policy``.
 
-    "row" keeps rows whole (``numel / shape[0]``), "block" keeps ``block_rows`` rows
-    whole (1-D tensors: ``block_rows`` elements), "matrix" keeps the whole tensor on
+    "row" keeps rows whole (``row_numel``: ``shape[-1]`` for 2-D and 3-D expert stacks, a conv
+    filter from 4-D on), "block" keeps ``block_rows`` rows whole (1-D tensors: ``block_rows``
+    elements), "matrix" keeps the whole tensor on
     one rank, "muon" keeps whole the hidden matrices Muon orthogonalizes (``is_muon_matrix``:
     zero collectives in its step; a 3-D expert stack is cut between experts, each expert whole)
     and cuts everything else (embeddings, head, vectors: the AdamW side) at rows. The result is
@@ -48,7 +59,7 @@ def resolve_granularity(policy: GranularityPolicy, name: str, param: torch.Tenso
     numel = param.numel()
     if callable(policy):
         granularity = policy(name, param)
-        if not isinstance(granularity, int) or granularity < 1:
+        if not isinstance(granularity, int) or isinstance(granularity, bool) or granularity < 1:
             raise ValueError(
                 f"shard_granularity callable returned {granularity!r} for parameter {name!r}; "
                 "it must return a positive int (granularity in elements)"
@@ -64,8 +75,8 @@ def resolve_granularity(policy: GranularityPolicy, name: str, param: torch.Tenso
     if policy == "matrix":
         return numel
     if policy == "muon":
-        whole = param.dim() == 2 and is_muon_matrix(name, param.shape)
-        return numel if whole else min(row_numel(param.shape), numel)
+        unit = matrix_numel(param.shape) if is_muon_matrix(name, param.shape) else row_numel(param.shape)
+        return min(unit, numel)
     check_policy(policy)
     raise AssertionError(f"unhandled shard_granularity {policy!r}")  # a name in POLICIES without a branch
 

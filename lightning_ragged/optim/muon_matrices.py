@@ -4,8 +4,8 @@ A parameter is laid out as ``count`` equal matrices end to end in its flat (row-
 
 * a 2-D weight ``[a, b]`` is one matrix;
 * a fused expert stack ``[E, a, b]`` (every MoE in ``transformers``: Qwen3-MoE, Mixtral,
-  GPT-OSS, DeepSeek-V3) is ``E`` matrices ``[a, b]``, one per expert — a row of dim 0 is one
-  expert, so ``shard_granularity="row"`` (or ``"muon"``) keeps every expert whole on a rank;
+  GPT-OSS, DeepSeek-V3) is ``E`` matrices ``[a, b]``, one per expert; ``shard_granularity="muon"``
+  keeps every expert whole on a rank (``"row"`` cuts at rows of one expert);
 * with the opt-in ``qkv_heads``, a 2-D weight whose name matches is ``count`` head matrices
   ``[a / count, b]`` (a fused ``[3·H·d, in]`` QKV: ``count = 3·H``; a ``[H·d, in]`` projection:
   ``H``; a fused GQA ``[(H + 2·K)·d, in]``: ``H + 2·K``), as torchtitan's DistMuon and Dion offer.

@@ -117,7 +117,7 @@ SHARDINGS = {
     "row-greedy": dict(shard_granularity="row", planning_algorithm="greedy"),
     "row-reduce-scatter": dict(shard_granularity="row", reduce_mode="reduce_scatter"),
     "row-all-reduce": dict(shard_granularity="row", reduce_mode="all_reduce"),  # gloo's default is "pairwise"
-    "row-small-dbuffers": dict(shard_granularity="row", dbuffer_size=2100),
+    "row-small-dbuffers": dict(shard_granularity="row", dbuffer_size=1000),  # embed, qkv (~2 KB): one each
     "row-keep-unsharded": dict(shard_granularity="row", reshard_after_forward=False),
     "row-explicit-groups": dict(shard_granularity="row", group_modules=[TinyBlock]),
 }
@@ -806,10 +806,11 @@ def check_bad_arguments() -> list[str]:
     cases = [
         dict(shard_granularity="diagonal"),
         dict(dbuffer_size=0),
-        dict(dbuffer_size=64),
         dict(planning_algorithm="fastest"),
         dict(shard_granularity="block", block_rows=0),
         dict(reduce_mode="broadcast"),
+        dict(shard_granularity="row", block_rows=0),  # both were accepted: block_rows unused, alignment=0 as None
+        dict(alignment=0),
     ]
     for kwargs in cases:
         try:
@@ -828,14 +829,24 @@ def check_bad_arguments() -> list[str]:
 
 def test_bad_arguments_get_clear_errors(dist_pool):
     messages = dist_pool(2).run(check_bad_arguments)[0]
-    unknown, zero, small, algorithm, block_rows, mode, twice = messages
+    unknown, zero, algorithm, block_rows, mode, unused_block_rows, alignment, twice = messages
     assert "shard_granularity='diagonal'" in unknown and "'row'" in unknown
     assert zero.startswith("DBufferAlignmentError: DBuffer alignment error:") and "dbuffer_size=0" in zero
-    assert "DBuffer alignment error:" in small and "raise dbuffer_size to at least" in small
     assert "fastest" in algorithm and "optimal" in algorithm
     assert "block_rows=0" in block_rows
     assert "reduce_mode='broadcast'" in mode
+    assert "block_rows=0" in unused_block_rows
+    assert "DBuffer alignment error: alignment=0" in alignment
     assert "already sharded" in twice
+
+
+def test_a_parameter_larger_than_dbuffer_size_gets_a_dbuffer_of_its_own():
+    """Was an error: the default 256 MiB refused any model with a larger tensor (Llama-3-8B's fp32 embedding)."""
+    from lightning_ragged.engine.grouping import split_into_dbuffers
+
+    params = [(n, torch.nn.Parameter(torch.empty(k))) for n, k in [("a", 10), ("big", 300), ("b", 10), ("c", 10), ("d", 90)]]
+    runs = split_into_dbuffers(params, dbuffer_size=100 * 4)
+    assert [[n for n, _ in run] for run in runs] == [["a"], ["big"], ["b", "c"], ["d"]]
 
 
 def check_whole_tensor_optimizers_are_refused() -> dict:

@@ -510,12 +510,34 @@ def gpt_oss_120b() -> list:
     ]
 
 
+def test_plan_cli_row_of_a_fused_expert_stack_is_a_row_of_one_expert():
+    """A row of [E, a, b] was a whole expert (a*b): DeepSeek-V3's MoE block at 1,024 ranks padded 161% (S the
+    one expert's gate_up, 29,360,128) where the planner table, cutting at rows of one expert, plans 1.04%."""
+    table = _planner_table()
+    done = subprocess.run(
+        [sys.executable, "-m", "lightning_ragged.plan", "--config", "deepseek-v3", "--world-size", "1024",
+         "--alignment", "16", "--dbuffer-size", "1TiB", "--json"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    (moe,) = [g for g in json.loads(done.stdout)["groups"] if "MoE" in g["group"]]
+    layout = lr.plan(table.row_block_specs(table.MODELS["DeepSeek-V3 (experts fused)"](), 1), 1024, alignment=16)
+    assert moe["dbuffers"][0]["segment_size"] == layout.segment_size == 11_354_112
+    assert moe["dbuffers"][0]["padding_ratio"] == pytest.approx(layout.padding_ratio) and layout.padding_ratio < 0.011
+    from lightning_ragged.layout.granularity import resolve_granularity
+
+    experts = torch.empty(4, 6, 10, device="meta")
+    assert [resolve_granularity(p, "mlp.experts.w", experts, block_rows=4) for p in ("row", "muon", "block")] == [10, 60, 40]
+    assert resolve_granularity("row", "conv.weight", torch.empty(8, 3, 5, 5, device="meta")) == 75  # 4-D: a filter
+
+
 def test_plan_cli_preset_matches_plan_called_directly():
     from lightning_ragged.layout.granularity import resolve_granularity
     from lightning_ragged.cli.model_groups import PRESETS, describe_model
 
     done = subprocess.run(
-        [sys.executable, "-m", "lightning_ragged.plan", "--config", "llama3-70b", "--world-size", "1024", "--json"],
+        [sys.executable, "-m", "lightning_ragged.plan", "--config", "llama3-70b", "--world-size", "1024", "--json",
+         "--dbuffer-size", "1TiB"],  # one DBuffer per group (the default, fully_shard's 256 MiB, splits the block)
         cwd=ROOT, capture_output=True, text=True, timeout=120,
     )
     assert done.returncode == 0, done.stderr

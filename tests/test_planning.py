@@ -363,6 +363,18 @@ def test_hand_made_layout_whose_second_boundary_cuts_a_row():
         manual_layout([matrix], world_size=4, segment_size=39, offsets={"w": 13})  # cuts at 26 (ok), 65 (not)
 
 
+@pytest.mark.parametrize("make", [
+    lambda: plan([TensorSpec("a", 4, 1)], True),
+    lambda: plan([TensorSpec("a", 4, 1)], 2, alignment=True),
+    lambda: TensorSpec("a", True, 1),
+    lambda: TensorSpec("a", 4, True),
+])
+def test_a_bool_is_not_a_count(make):
+    """True is an int to Python: plan(world_size=True) returned a layout for world size True."""
+    with pytest.raises(ValueError, match="=True"):
+        make()
+
+
 def test_hand_made_layout_geometry_errors():
     a, b = TensorSpec("a", 6), TensorSpec("b", 6)
     with pytest.raises(DBufferAlignmentError, match="overlap"):

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from lightning_ragged.cli.model_groups import PRESETS, ModelDescription, describe_model, load_config
+from lightning_ragged.engine.api import DEFAULT_DBUFFER_SIZE
 from lightning_ragged.layout.granularity import POLICIES
 from lightning_ragged.layout.auto import DEFAULT_PADDING_TARGET, DTYPE_OF_BYTES, AutoPlan, auto_plan, shape_granularity
 from lightning_ragged.layout.memory import DTYPE_BYTES, OPTIMIZER_STATE_BYTES, format_bytes, memory_estimate, parse_bytes
@@ -228,8 +229,6 @@ def build_auto_report(args: argparse.Namespace) -> dict[str, Any]:
 def build_report(args: argparse.Namespace) -> dict[str, Any]:
     name, description = describe(args)
     replicate = args.replicate_degree or 1
-    if args.world_size % replicate:
-        raise SystemExit(f"--replicate-degree {replicate} must divide --world-size {args.world_size}")
     shard_world = args.world_size // replicate
     master_bytes, param_bytes = DTYPE_BYTES[args.master_dtype], DTYPE_BYTES[args.param_dtype]
     try:
@@ -346,8 +345,8 @@ def parser() -> argparse.ArgumentParser:
         "--dbuffer-size",
         metavar="BYTES",
         default=None,
-        help="split groups into DBuffers of at most this many bytes (or e.g. 256MB, 256MiB), as "
-        "fully_shard(dbuffer_size=...) does (default: one DBuffer per group)",
+        help="split groups into DBuffers of at most this many bytes (or e.g. 256MB, 256MiB), a larger tensor "
+        "into one of its own, as fully_shard(dbuffer_size=...) does (default: fully_shard's 256 MiB)",
     )
     p.add_argument(
         "--experts",
@@ -403,10 +402,16 @@ def check_args(args: argparse.Namespace) -> None:
     """Refuse bad or conflicting options before the model is built."""
     if args.world_size < 1 or (args.replicate_degree is not None and args.replicate_degree < 1):
         raise SystemExit("--world-size and --replicate-degree must be positive")
+    if args.world_size % (args.replicate_degree or 1):
+        raise SystemExit(f"--replicate-degree {args.replicate_degree} must divide --world-size {args.world_size}")
+    if args.block_rows < 1 or args.alignment < 1:
+        raise SystemExit(f"--block-rows ({args.block_rows}) and --alignment ({args.alignment}) must be positive")
     if args.plot and not Path(args.plot).resolve().parent.is_dir():
         raise SystemExit(f"--plot {args.plot!r}: the folder {str(Path(args.plot).resolve().parent)!r} does not exist")
     if not args.auto:
-        if args.dbuffer_size is not None:  # fully_shard's rule: a positive number of bytes (0 was taken as "none")
+        if args.dbuffer_size is None:  # what fully_shard builds by default
+            args.dbuffer_size = DEFAULT_DBUFFER_SIZE
+        else:  # fully_shard's rule: a positive number of bytes (0 was taken as "none")
             try:
                 args.dbuffer_size = parse_bytes(args.dbuffer_size, "--dbuffer-size")
             except ValueError as error:

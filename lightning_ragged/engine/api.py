@@ -41,12 +41,12 @@ from lightning_ragged.engine.fsdp_module import make_fsdp_module, make_save_pret
 from lightning_ragged.engine.module_lists import ListedModules, listed_modules
 from lightning_ragged.engine.partial_reshard import partial_group as partial_group_of
 from lightning_ragged.layout.auto import AutoPlan
-from lightning_ragged.layout.granularity import GranularityPolicy, resolve_granularity
+from lightning_ragged.layout.granularity import GranularityPolicy, check_block_rows, resolve_granularity
 from lightning_ragged.engine.ownership import claim, refuse_sharded_twice
 from lightning_ragged.engine.grouping import (
     GroupSpec, ParamGroupPlan, group_name, parameter_slots, plan_groups, split_into_dbuffers,
 )
-from lightning_ragged.layout.planner import plan
+from lightning_ragged.layout.planner import check_alignment, plan
 from lightning_ragged.layout.spec import TensorSpec
 from lightning_ragged.engine.retired_params import retire
 from lightning_ragged.engine.runtime import RaggedFSDPState, get_state
@@ -170,6 +170,9 @@ def fully_shard(
              ("keep_last_unsharded", keep_last_unsharded), ("keep_cast_shard", keep_cast_shard))
     for knob, flag in flags:
         check_flag(knob, flag)
+    check_block_rows(block_rows)  # also where the policy does not use it, as the README promises
+    if alignment is not None:  # 0 was taken as None (16 bytes)
+        check_alignment(alignment)
     if isinstance(max_inflight_all_gathers, bool) or not isinstance(max_inflight_all_gathers, int) \
             or max_inflight_all_gathers < 0:
         raise ValueError(

@@ -283,7 +283,9 @@ def plan_groups(
 def split_into_dbuffers(
     params: list[tuple[str, nn.Parameter]], dbuffer_size: int, apart: Callable[[nn.Parameter], Hashable] | None = None
 ) -> list[list[tuple[str, nn.Parameter]]]:
-    """Consecutive runs of same-dtype parameters whose bytes fit in ``dbuffer_size``.
+    """Consecutive runs of same-dtype parameters whose bytes fit in ``dbuffer_size``; a parameter larger
+    than ``dbuffer_size`` gets a DBuffer of its own (as DDP gives one a bucket of its own: a 4 GB
+    embedding is not an error under the default 256 MiB).
 
     ``apart`` (a split key): parameters with different keys never share a DBuffer; each key's
     parameters are split in their order, keys in order of first appearance (the fp8
@@ -299,11 +301,6 @@ def split_into_dbuffers(
     current_bytes = 0
     for name, param in params:
         size = param.numel() * param.element_size()
-        if size > dbuffer_size:
-            raise DBufferAlignmentError(
-                f"parameter {name!r} needs {size} bytes but dbuffer_size={dbuffer_size}; "
-                f"raise dbuffer_size to at least {size} bytes"
-            )
         if current and (current_bytes + size > dbuffer_size or current[0][1].dtype != param.dtype):
             dbuffers.append(current)
             current, current_bytes = [], 0

@@ -22,7 +22,7 @@ OPTIMIZER_STATE_BYTES = {
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
 _UNITS.update({"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40})
-_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-z]*)\s*$", re.IGNORECASE)
+_SIZE = re.compile(r"^\s*([-+]?[0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-z]*)\s*$", re.IGNORECASE)
 
 
 def memory_estimate(
@@ -75,10 +75,10 @@ def parse_bytes(value: Union[str, int, float], name: str = "memory_budget_bytes"
                 f"({', '.join(u.upper() for u in _UNITS if u)}), e.g. '80GB' (80*10**9) or '80GiB' (80*2**30)"
             )
         number, unit = float(match.group(1)), match.group(2).lower()
-    size = int(number * _UNITS[unit])
-    if size <= 0:
-        raise ValueError(f"{name}={value!r} must be a positive number of bytes, e.g. '80GB'")
-    return size
+    size = number * _UNITS[unit]
+    if size < 1 or size != int(size):
+        raise ValueError(f"{name}={value!r} must be a positive whole number of bytes, e.g. '80GB' or '1.5GiB'")
+    return int(size)
 
 
 def format_bytes(nbytes: float, digits: int = 1) -> str:

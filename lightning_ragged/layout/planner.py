@@ -90,13 +90,22 @@ def _make_layout(
     )
 
 
+def is_positive_int(value: object) -> bool:
+    """An int >= 1 that is not a bool (``True`` is an int to Python, never a count here)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def check_alignment(alignment: object) -> None:
+    if not is_positive_int(alignment):
+        raise DBufferAlignmentError(f"alignment={alignment!r}; pass a positive int (elements), e.g. 1 or 16")
+
+
 def _check_plan_arguments(specs: Sequence[TensorSpec], world_size: int, algorithm: str, alignment: int) -> None:
-    if not isinstance(world_size, int) or world_size < 1:
+    if not is_positive_int(world_size):
         raise ValueError(f"world_size={world_size!r} is invalid; pass the number of ranks, a positive int")
     if algorithm not in ALGORITHMS:
         raise ValueError(f"algorithm={algorithm!r} is unknown; use one of {ALGORITHMS}")
-    if not isinstance(alignment, int) or alignment < 1:
-        raise DBufferAlignmentError(f"alignment={alignment!r}; pass a positive int (elements), e.g. 1 or 16")
+    check_alignment(alignment)
     for spec in specs:
         if not isinstance(spec, TensorSpec):
             raise ValueError(f"specs must be TensorSpec instances, got {spec!r}; wrap it as TensorSpec(name, numel)")

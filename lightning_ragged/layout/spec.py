@@ -46,9 +46,9 @@ class TensorSpec:
     granularity: int = 1
 
     def __post_init__(self) -> None:
-        if not isinstance(self.numel, int) or self.numel < 0:
+        if not isinstance(self.numel, int) or isinstance(self.numel, bool) or self.numel < 0:
             raise ValueError(f"tensor {self.name!r}: numel={self.numel!r} is invalid; pass a non-negative int")
-        if not isinstance(self.granularity, int) or self.granularity < 1:
+        if not isinstance(self.granularity, int) or isinstance(self.granularity, bool) or self.granularity < 1:
             raise ValueError(
                 f"tensor {self.name!r}: granularity={self.granularity!r} is invalid; "
                 "pass a positive int (1 = may be cut at any element)"

@@ -76,9 +76,43 @@ def test_data_file_outside_the_directory_is_refused(saved, tmp_path, how: str) -
                 info.relative_path = target
     _rewrite(saved, metadata)
     for load in (_load, lambda p: ck.consolidate(p, tmp_path / "out.ckpt")):
-        with pytest.raises(ck.CorruptCheckpointError, match=f"outside {saved}: refused"):
+        with pytest.raises(ck.CorruptCheckpointError, match=f"outside {saved}: refused"):  # untrusted
             load(saved)
     assert not (tmp_path / "out.ckpt").exists()
+
+
+def test_links_you_made_load_when_trusted(saved, tmp_path) -> None:
+    """A Hugging Face cache links every file to ../../blobs/<sha>: refused untrusted (the message says how to
+    load it), loaded with trust_checkpoint=True; a name outside the directory in .metadata stays refused."""
+    blobs = tmp_path / "blobs"
+    blobs.mkdir()
+    for data in saved.glob("*.distcp"):
+        shutil.move(data, blobs / data.name)
+        data.symlink_to(Path("..") / "blobs" / data.name)
+    with pytest.raises(ck.CorruptCheckpointError, match="a link to .* load with trust_checkpoint=True"):
+        _load(saved)
+    _load(saved, trust_checkpoint=True)
+
+
+def test_a_state_named_optimizer_something_is_the_users(saved, tmp_path) -> None:
+    """A Fabric save of {"model", "optimizer_g", ...} (a GAN's naming) was refused as misnumbered optimizer states;
+    only optimizer_<number> keys are optimizer states. The model loads and consolidation keeps the entry."""
+    metadata = _metadata(saved)
+    metadata.planner_data = {k: ("optimizer_g", *p[1:]) if p[0] == "optimizer_0" else p for k, p in metadata.planner_data.items()}
+    (saved / ".metadata").write_bytes(pickle.dumps(metadata))
+    model, _ = _fresh()
+    ck.load(saved, model, verify_checksums=False)
+    out = ck.consolidate(saved, tmp_path / "out.ckpt", verify_checksums=False)
+    assert "optimizer_g" in torch.load(out, weights_only=True)
+
+
+def test_a_mismatch_on_the_loading_side_is_not_called_damage(saved) -> None:
+    """DCP's own size-mismatch error for a template of another shape stays DCP's (it was reported as a damaged
+    checkpoint, which invites deleting a good one)."""
+    info = ck.inspect_checkpoint(saved)
+    with pytest.raises(BaseException) as error:
+        info.read_locally({"model": {"embed.weight": torch.zeros(1, 1)}})
+    assert not isinstance(error.value, ck.CorruptCheckpointError), error.value
 
 
 @pytest.mark.parametrize("change", ["drop", "duplicate"])
@@ -150,10 +184,10 @@ def _deep_path(metadata) -> None:
     metadata.planner_data["model.embed.weight"] = ("model",) + ("a",) * 5000
 
 
-def _optimizer_named_x(metadata) -> None:
+def _optimizer_numbered_5(metadata) -> None:
     for key, path in list(metadata.planner_data.items()):
         if path[0] == "optimizer_0":
-            metadata.planner_data[key] = ("optimizer_x",) + tuple(path[1:])
+            metadata.planner_data[key] = ("optimizer_5",) + tuple(path[1:])
 
 
 def _negative_offset(metadata) -> None:
@@ -169,7 +203,7 @@ def _size_as_text(metadata) -> None:
     [
         (_storage_list, "storage_data is a list, not a dict"),
         (_deep_path, "is not a sequence of 1 to 64 keys"),
-        (_optimizer_named_x, "optimizer states are optimizer_x, not optimizer_0"),
+        (_optimizer_numbered_5, r"optimizer states are numbered \[5\], not 0 .. N"),
         (_negative_offset, r"storage entry is not \(file, offset >= 0"),
         (_size_as_text, "has no valid size, dtype and chunk list"),
     ],

@@ -24,6 +24,10 @@ _FRAMING = 1 << 20
 _BLOCK = 1 << 20
 
 
+class InflationError(ValueError):
+    """A compressed item produced more bytes than it can hold."""
+
+
 class BoundedTransforms:
     """Wraps a ``FileSystemReader``'s ``transforms``: compressed items come out through ``_BoundedStream``."""
 
@@ -52,7 +56,7 @@ class BoundedTransforms:
 
 
 class _BoundedStream(io.RawIOBase):
-    """Reads ``inner`` and raises ``ValueError`` once it has produced more than ``limit`` bytes."""
+    """Reads ``inner`` and raises ``InflationError`` once it has produced more than ``limit`` bytes."""
 
     def __init__(self, inner: IO[bytes], limit: int, what: str) -> None:
         super().__init__()
@@ -73,7 +77,7 @@ class _BoundedStream(io.RawIOBase):
         data = self.inner.read(min(size, self.limit + 1 - self.count) or 1)
         self.count += len(data)
         if self.count > self.limit:
-            raise ValueError(
+            raise InflationError(
                 f"{self.what} decompresses to more than {self.limit} bytes, more than it can hold: refused "
                 "(damaged or hostile compressed bytes; a trusted checkpoint is read unbounded)"
             )

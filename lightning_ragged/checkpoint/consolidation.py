@@ -32,6 +32,7 @@ from torch.utils._pytree import key_get, tree_flatten_with_path, tree_map
 from lightning_ragged.checkpoint.checksums import remove_sidecar, write_sidecar
 from lightning_ragged.checkpoint.errors import CheckpointError
 from lightning_ragged.checkpoint.format import FORMAT_KEY, MODEL_KEY, MODEL_STATES_KEY
+from lightning_ragged.checkpoint.metadata_checks import OPTIMIZER_KEY
 from lightning_ragged.checkpoint.reader import CheckpointInfo, inspect_checkpoint
 from lightning_ragged.checkpoint.safe_unpickle import torch_load
 from lightning_ragged.checkpoint.zero_dim import ZERO_DIM_STATES_KEY
@@ -141,7 +142,10 @@ def _to_lightning_layout(nested: dict[str, Any], info: CheckpointInfo) -> tuple[
     model_states = info.format.get(MODEL_STATES_KEY, [])  # e.g. WeightAveraging's "current_model_state"
     for key in model_states:
         checkpoint[key] = nested.get(key, {})
-    count = sum(1 for k in nested if k.startswith("optimizer_"))
+    count = sum(1 for k in nested if OPTIMIZER_KEY.fullmatch(k))
+    others = [k for k in nested if k != MODEL_KEY and k not in model_states and not OPTIMIZER_KEY.fullmatch(k)]
+    for key in others:  # a Fabric state's own entries (a GAN's "optimizer_g"): kept under their names
+        checkpoint[key] = nested[key]
     renames: dict[int, dict[str, int]] = {}
     states = []
     for index in range(count):
@@ -157,7 +161,7 @@ def _to_lightning_layout(nested: dict[str, Any], info: CheckpointInfo) -> tuple[
         head, rest = path[0], tuple(path[1:])
         if head == MODEL_KEY:
             return ("state_dict", *rest)
-        if head in model_states:
+        if head in model_states or head in others:
             return (head, *rest)
         index = int(str(head).split("_", 1)[1])
         if index in renames and len(rest) >= 2 and rest[0] == "state":

@@ -12,6 +12,7 @@ raises ``CorruptCheckpointError`` here, naming the file, the entry and what is w
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -26,12 +27,20 @@ from torch.distributed.checkpoint.metadata import (
 
 from lightning_ragged.checkpoint.errors import CorruptCheckpointError
 
+OPTIMIZER_KEY = re.compile(r"optimizer_[0-9]+")
+"""The top-level key of the i-th optimizer's state (lightning_ragged's and Lightning's)."""
+
 MAX_PATH_DEPTH = 64
 """Deepest nesting of a saved state dict (``planner_data`` paths); real ones are under ten."""
 
 
-def check_structure(directory: Path, metadata: Metadata) -> None:
-    """Raise ``CorruptCheckpointError`` for the first field of ``metadata`` that no DCP save writes."""
+def check_structure(directory: Path, metadata: Metadata, trusted: bool = False) -> None:
+    """Raise ``CorruptCheckpointError`` for the first field of ``metadata`` that no DCP save writes.
+
+    ``trusted``: a data file may be a link to a file elsewhere (a Hugging Face cache's blobs, shards moved
+    to another disk); untrusted, such a link is refused (a hostile directory could point it at a
+    checkpoint of yours). A name in ``.metadata`` outside the directory (absolute, ``..``) is refused always.
+    """
     where = directory / ".metadata"
     items = metadata.state_dict_metadata
     if not isinstance(items, dict):
@@ -44,7 +53,7 @@ def check_structure(directory: Path, metadata: Metadata) -> None:
         elif not isinstance(item, BytesStorageMetadata):
             raise CorruptCheckpointError(f"{where} is damaged: entry {key!r} is a {type(item).__name__}")
     _check_planner_data(where, metadata.planner_data)
-    _check_storage(directory, where, metadata.storage_data, items)
+    _check_storage(directory, where, metadata.storage_data, items, trusted)
 
 
 def _is_int_tuple(value: Any, length: int | None = None) -> bool:
@@ -85,13 +94,19 @@ def _check_tensor(where: Path, key: str, item: TensorStorageMetadata) -> None:
 
 
 def _first_overlap(boxes: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> tuple[Any, Any] | None:
-    """Two boxes that share an element, else None: a sweep along dim 0 (row shards: each against its neighbour)."""
+    """Two boxes that share an element, else None: a sweep along the dimension in which the boxes are thinnest
+    (dim 0 for row shards, dim 1 for FSDP2's ``Shard(1)``, the rows for element cuts), each box against those
+    still open on it (few, on the layouts saves write)."""
     if not boxes or not boxes[0][0]:
         return (boxes[0], boxes[1]) if len(boxes) > 1 else None  # 0-D: one chunk at most
+    def thickness(d: int) -> float:  # the boxes' summed extent in dim d, in units of the tensor's
+        return sum(sizes[d] for _, sizes in boxes) / max(offsets[d] + sizes[d] for offsets, sizes in boxes)
+
+    axis = min(range(len(boxes[0][0])), key=thickness)
     active: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
-    for box in sorted(boxes):
-        start = box[0][0]
-        active = [a for a in active if a[0][0] + a[1][0] > start]
+    for box in sorted(boxes, key=lambda b: b[0][axis]):
+        start = box[0][axis]
+        active = [a for a in active if a[0][axis] + a[1][axis] > start]
         for other in active:
             if all(o1 < o2 + s2 and o2 < o1 + s1 for o1, s1, o2, s2 in zip(box[0], box[1], other[0], other[1])):
                 return other, box
@@ -115,15 +130,14 @@ def _check_planner_data(where: Path, planner_data: Any) -> None:
                 f"{where} is damaged: the state dict path of {key!r} is not a sequence of 1 to {MAX_PATH_DEPTH} "
                 f"keys starting with a name ({str(path)[:80]})"
             )
-    optimizers = sorted({path[0] for path in planner_data.values() if path[0].startswith("optimizer_")})
-    numbers = sorted(int(name[len("optimizer_") :]) for name in optimizers if name[len("optimizer_") :].isdigit())
-    if numbers != list(range(len(optimizers))):
+    numbers = sorted({int(path[0][10:]) for path in planner_data.values() if OPTIMIZER_KEY.fullmatch(path[0])})
+    if numbers != list(range(len(numbers))):  # ours and Lightning's; other names (a GAN's optimizer_g) are the user's
         raise CorruptCheckpointError(
-            f"{where} is damaged: its optimizer states are {', '.join(optimizers[:8])}, not optimizer_0 .. optimizer_N"
+            f"{where} is damaged: its optimizer states are numbered {numbers[:8]}, not 0 .. N (optimizer_0, optimizer_1, ...)"
         )
 
 
-def _check_storage(directory: Path, where: Path, storage: Any, items: dict[str, Any]) -> None:
+def _check_storage(directory: Path, where: Path, storage: Any, items: dict[str, Any], trusted: bool) -> None:
     """Every item's bytes lie in a file inside ``directory``, and every saved chunk has its bytes."""
     if not isinstance(storage, dict):
         raise CorruptCheckpointError(f"{where} is damaged: storage_data is a {type(storage).__name__}, not a dict")
@@ -140,7 +154,7 @@ def _check_storage(directory: Path, where: Path, storage: Any, items: dict[str, 
         ):
             raise CorruptCheckpointError(f"{where} is damaged: a storage entry is not (file, offset >= 0, length >= 0): {index!r}")
         if relative not in files:
-            _check_inside(root, directory, where, relative)
+            _check_inside(root, directory, where, relative, trusted)
             files.add(relative)
     for key, item in items.items():
         indices = [MetadataIndex(key, chunk.offsets) for chunk in item.chunks] if isinstance(item, TensorStorageMetadata) else [MetadataIndex(key)]
@@ -149,13 +163,17 @@ def _check_storage(directory: Path, where: Path, storage: Any, items: dict[str, 
                 raise CorruptCheckpointError(f"{where} is damaged: no saved bytes for {key!r} at chunk offsets {list(index.offset or ())}")
 
 
-def _check_inside(root: Path, directory: Path, where: Path, relative: str) -> None:
-    """Refuse ``directory / relative`` unless it (symlinks followed) lies under ``directory``."""
+def _check_inside(root: Path, directory: Path, where: Path, relative: str, trusted: bool) -> None:
+    """Refuse a name outside ``directory``, and untrusted, a link whose target lies outside it."""
     candidate = directory / relative
-    resolved = candidate.resolve()
-    if Path(relative).is_absolute() or ".." in Path(relative).parts or not resolved.is_relative_to(root):
+    if Path(relative).is_absolute() or ".." in Path(relative).parts:
         raise CorruptCheckpointError(
-            f"{where} names data file {relative!r}, which is {'a link to ' + str(resolved) + ', ' if candidate.is_symlink() else ''}"
-            f"outside {directory}: refused (a checkpoint reads only its own files)"
+            f"{where} names data file {relative!r}, outside {directory}: refused (a checkpoint reads only its own files)"
         )
-
+    resolved = candidate.resolve()
+    if not trusted and not resolved.is_relative_to(root):
+        raise CorruptCheckpointError(
+            f"{where} names data file {relative!r}, a link to {resolved}, outside {directory}: refused (a checkpoint "
+            "reads only its own files); if you made these links (a Hugging Face cache, shards moved to another "
+            "disk), load with trust_checkpoint=True"
+        )

@@ -128,7 +128,7 @@ class CheckpointInfo:
     @property
     def optimizer_count(self) -> int:
         keys = {path[0] for path in (self.metadata.planner_data or {}).values() if path}
-        return sum(1 for key in keys if str(key).startswith("optimizer_"))
+        return sum(1 for key in keys if metadata_checks.OPTIMIZER_KEY.fullmatch(str(key)))
 
 
 class _CheckpointReader(checksums.VerifyingReaderMixin, safe_unpickle.SafeMetadataReader):
@@ -180,15 +180,20 @@ def _named_load_error(path: Path, error: BaseException) -> BaseException:
         if is_refusal(cause):
             return untrusted(f"{path} (a pickled item of its shards)", cause)
     for cause in causes:
-        if isinstance(cause, _DAMAGE):
+        if _is_damage(cause):
             detail = safe_unpickle.refusal_detail(cause) if isinstance(cause, pickle.UnpicklingError) else str(cause)[:300]
             return CorruptCheckpointError(f"{path} is damaged: reading its shards failed ({type(cause).__name__}: {detail})")
     return error
 
 
-_DAMAGE = (pickle.UnpicklingError, EOFError, OSError, AssertionError, KeyError, IndexError, ValueError, TypeError)
-"""What DCP raises on bytes or metadata that no save wrote (after ``metadata_checks``: item bytes that do not
-decode, an item length past its file, a chunk record whose tensor differs from the one declared)."""
+def _is_damage(cause: BaseException) -> bool:
+    """What DCP raises on saved bytes no save wrote: an item that does not decode, a compressed one inflating past
+    what it holds, one decoding to another size than its chunk ("mismatch sizes"). Not what a mismatch on the
+    loading side or the filesystem raises (those stay as DCP reports them)."""
+    return (
+        isinstance(cause, (pickle.UnpicklingError, EOFError, bounded_reads.InflationError))
+        or (isinstance(cause, AssertionError) and "mismatch sizes" in str(cause))
+    )
 
 
 def _describe_unfinished(path: Path) -> str:
@@ -307,7 +312,7 @@ def inspect_checkpoint(
         )
     _verify_small_file(path, ".metadata", metadata_bytes, manifest)
     _verify_small_file(path, META_FILENAME, meta_bytes, manifest)
-    metadata_checks.check_structure(path, metadata)
+    metadata_checks.check_structure(path, metadata, trusted)
     if verify_checksums and manifest is None and fmt.get("checksums"):
         raise CorruptCheckpointError(
             f"{path} is damaged: its checksums ('{fmt['checksums']}') are missing, though the save recorded them "

@@ -288,6 +288,8 @@ def check_freeze_between_backwards(nested: bool, no_sync: bool = False) -> dict:
     reference = make_model()
     model = lr.fully_shard(make_model(), shard_granularity="row")
     optimizers = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (model, reference)]
+    stats = lr.get_state(model).stats
+    reads = stats.flag_reads
     for step in range(3):
         for net, local in ((model, _local), (reference, lambda batch: batch)):
             def run(net=net, local=local) -> None:
@@ -302,7 +304,7 @@ def check_freeze_between_backwards(nested: bool, no_sync: bool = False) -> dict:
 
             _inside_root_forward(net, run) if nested and net is model else run()
         _step(optimizers)
-    return {"max_diff": _max_diff(lr.full_state_dict(model), reference)}
+    return {"max_diff": _max_diff(lr.full_state_dict(model), reference), "flag_reads": stats.flag_reads - reads}
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
@@ -311,6 +313,8 @@ def check_freeze_between_backwards(nested: bool, no_sync: bool = False) -> dict:
 def test_freeze_between_two_backwards_of_a_step_matches_single_process(dist_pool, world_size, nested, no_sync):
     for result in dist_pool(world_size).run(check_freeze_between_backwards, nested, no_sync):
         assert result["max_diff"] <= TOLERANCE, result
+        if not no_sync:  # frozen shards join the used flags only after a no_sync backward: no read-back (a host sync)
+            assert result["flag_reads"] == 0, result
 
 
 # ------------------------------------------------------------ 4. unused parameters vs DDP
@@ -519,7 +523,7 @@ def check_block_only_in_no_sync_micro_batch() -> dict:
         _branch_loss(reference, first[step], 0).backward()
         _branch_loss(reference, second[step], 1).backward()
         _step(optimizers)
-    return {"max_diff": _max_diff(lr.full_state_dict(model), reference)}
+    return {"max_diff": _max_diff(lr.full_state_dict(model), reference), "flag_reads": stats.flag_reads - reads}
 
 
 class _Gated(nn.Module):
@@ -568,7 +572,7 @@ def check_gated_block_only_in_no_sync_micro_batch() -> dict:
         loss = sum(reference(first[r], 0, use=r == 0).sum() + reference(second[r], 1).sum() for r in range(world))
         (loss / world).backward()
         _step(optimizers)
-    return {"max_diff": _max_diff(lr.full_state_dict(model), reference)}
+    return {"max_diff": _max_diff(lr.full_state_dict(model), reference), "flag_reads": stats.flag_reads - reads}
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)

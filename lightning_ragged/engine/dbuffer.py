@@ -1,11 +1,10 @@
 """DBuffer: the flat storage of one group, which is also its collective buffer.
 
 Three flat tensors laid out by the planner:
-* ``sharded`` (size S, master dtype): this rank's segment, persistent. The optimizer's
-  parameters are 1-D views into it.
-* ``unsharded`` (size m·S, compute dtype): allocated at unshard (an fp8 gather's at its wait,
-  where the dequantize writes it), freed at reshard. The module's parameters are fixed,
-  original-shape views into it, so the all-gather writes every parameter in place: no copy-in, no copy-out.
+* ``sharded`` (size S, master dtype): this rank's segment, persistent. The optimizer's parameters are 1-D views into it.
+* ``unsharded`` (size m·S, compute dtype): allocated at unshard (an fp8 gather's at its wait, where the dequantize
+  writes it), freed at reshard. The module's parameters are fixed, original-shape views into it, so the all-gather
+  writes every parameter in place: no copy-in, no copy-out.
 * ``unsharded_grad`` (size m·S, ``grad_dtype``): allocated when the DBuffer's first gradient arrives
   (not at the group's backward pre-hook: no buffer waits through earlier groups' backward); the collective
   reads it. With equal compute and reduce dtypes it is zeroed then and every ``param.grad`` points at its
@@ -14,19 +13,19 @@ Three flat tensors laid out by the planner:
   no gradient reached). It is in the narrower dtype (bf16 under bf16-mixed, as FSDP2 holds gradients until
   its reduce-scatter), summed in the reduce dtype; ``no_sync`` micro-batches accumulate in the reduce dtype.
 
-Storage is freed and re-allocated with ``untyped_storage().resize_`` so the views (and tensors autograd
-saved) stay valid. Group-level work runs once on the flat tensors, never per parameter. A DBuffer whose
-parameters are all frozen never allocates a gradient buffer and is never reduced (decided at every backward
-from the current flags). A parameter no rank used keeps ``grad is None`` (DDP).
+Storage is freed and re-allocated with ``untyped_storage().resize_`` so the views (and tensors autograd saved) stay
+valid. Group-level work runs once on the flat tensors, never per parameter. A DBuffer whose parameters are all
+frozen never allocates a gradient buffer and is never reduced (decided at every backward from the current flags).
+A parameter no rank used keeps ``grad is None`` (DDP).
 
 **A single rank** (``single_rank``: one rank in the shard group, no HSDP): no collective, no copy. Without a cast or
 fp8 the full buffer *is* the segment (``full_is_shard``): unshard/reshard only swap the module's views (no event).
 With a cast, the cast written into the full buffer is the "gather" (``keep_cast_shard`` keeps nothing). The
 gradient buffer, a tensor of its own each backward, is adopted as the sharded gradient (``sharded_grad.py``).
 
-The collective calls (and FSDP2's custom ones, ``custom``) are in ``collectives.py``, on the comm streams of
-``streams.py`` (no-op on CPU); the all-gather's source is from ``shard_cast.py`` (``partial_reshard.py``'s kept
-part, ``fp8_gather.py``). Observers (``events.py``) in ``observers`` hear of every collective and (de)allocation.
+The collective calls (and FSDP2's custom ones, ``custom``) are in ``collectives.py``, on the comm streams of ``streams.py``
+(no-op on CPU); the all-gather's source is from ``shard_cast.py`` (``partial_reshard.py``'s kept part, ``fp8_gather.py``).
+Observers (``events.py``) in ``observers`` hear of every collective and (de)allocation.
 """
 
 from __future__ import annotations
@@ -141,6 +140,7 @@ class DBuffer:
         self._pending_unshard: PendingCollective | None = None
         self._pending_reduce: PendingCollective | None = None
         self.holds = False  # the last reduction was over the shard group only (HSDP, ``all_reduce=False``)
+        self.carry_frozen = False  # this reduction follows a no_sync backward: frozen shards may carry gradients
         self._held: torch.Tensor | None = None  # the sums it held, added in before the next replica all-reduce
 
     def _build_full(self, alias: bool) -> None:
@@ -391,17 +391,16 @@ class DBuffer:
         if self.custom.all_reduce_hook is not None:  # it sees the divided segment, in the reduce dtype (FSDP2's)
             own_segment, scale = collectives.run_all_reduce_hook(
                 self.custom, own_segment, scale, self.reduce_dtype, self.streams), 1.0
-        adopted = self._grad.write(self.sharded_params, own_segment, scale, adoptable=self.single_rank)
+        carrying = self._grad.carrying(self.sharded_params, self.carry_frozen)
+        adopted = self._grad.write(self.sharded_params, own_segment, scale, self.single_rank, carrying)
         self.free_unsharded_grad(adopted=adopted)
 
-    def used_flags(self) -> list[bool]:
-        """Per parameter (in order; frozen ones too: frozen after a no_sync micro-batch gave them a gradient, they
-        carry it): did a gradient reach it since the last reduction?"""
-        return [name in self._used for name in self.sharded_params]
+    def used_flags(self) -> list[bool]:  # per shard the reduction gives a gradient: did one reach it since the last?
+        return [name in self._used for name in self._grad.carrying(self.sharded_params, self.carry_frozen)]
 
     def settle_unused(self, used_anywhere: Sequence[bool]) -> None:
         """After the reduction: a parameter no rank used keeps ``grad is None`` (as DDP and FSDP2)."""
-        self._grad.settle_unused(self.sharded_params, used_anywhere)
+        self._grad.settle_unused(self.sharded_params, self._grad.carrying(self.sharded_params, self.carry_frozen), used_anywhere)
         self._used.clear()
 
     def run_post_accumulate_grad_hooks(self) -> None:

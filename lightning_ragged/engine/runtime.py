@@ -64,7 +64,7 @@ class RaggedFSDPState:
         self.forward_order: list[ShardGroup] = []
         """Groups in the order the current (or last) forward ran them."""
         self._previous_order: list[ShardGroup] = []
-        self._root_depth, self._training_forward, self._in_backward = 0, False, False
+        self._root_depth, self._training_forward, self._in_backward, self.carry_frozen = 0, False, False, False
         self._in_flight: list[DBuffer] = []
         self._reduced: list[DBuffer] = []
         self._hooked: set[int] = set()
@@ -105,8 +105,7 @@ class RaggedFSDPState:
         """A forward or backward of this model is running: its groups' full parameters are in use."""
         return self._root_depth > 0 or self._in_backward
 
-    def __deepcopy__(self, memo: dict) -> "RaggedFSDPState":
-        # Copying would clone parameter views whose storage is freed between uses (a crash, not an error).
+    def __deepcopy__(self, memo: dict) -> "RaggedFSDPState":  # it would clone views of freed storage: a crash
         raise TypeError(
             "copy.deepcopy of a module sharded by lightning_ragged.fully_shard is not supported (as with torch's "
             "FSDP2): its full parameters are views into flat buffers that are freed between uses. Deep-copy the "
@@ -289,6 +288,8 @@ class RaggedFSDPState:
         if not self._in_backward:
             self._in_backward = True
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward_hook)
+        # a no_sync backward since the last reduction: frozen shards may hold gradients (every rank enters no_sync)
+        self.carry_frozen |= not self.syncs(group)
         if group.backward_prepared:
             return  # already prepared by an earlier output hook of this backward
         group.count_backward_calls()
@@ -298,11 +299,9 @@ class RaggedFSDPState:
     def grad_arrived(self, group: ShardGroup, dbuffer: DBuffer, name: str) -> None:
         """A parameter's gradient is complete: it lands in its DBuffer's gradient buffer.
 
-        Blocks reduce at their post-backward, the root at the end of backward (as FSDP2's
-        root): every rank issues its reductions at the same points in the same order. (Reducing
-        a root DBuffer once its gradients were all in here put its collective at a point that
-        depends on this rank's data: a parameter used on some ranks only reordered the ranks'
-        collectives.)
+        Blocks reduce at their post-backward, the root at the end of backward (as FSDP2's root): every rank
+        issues its reductions at the same points in the same order. (Reducing a root DBuffer once its gradients
+        were all in here put its collective at a point that depends on this rank's data.)
         """
         dbuffer.grad_arrived(name, accumulate=not self.syncs(group))
 
@@ -318,9 +317,8 @@ class RaggedFSDPState:
         self._finish_group(group)
 
     def _finish_group(self, group: ShardGroup) -> None:
-        """Reduce every trainable DBuffer of a group that ran backward (zeros where no gradient arrived here:
-        its peers may have some), then reshard. Under ``no_sync`` the gradient buffers (allocated, in the reduce dtype)
-        keep accumulating."""
+        """Reduce every trainable DBuffer of a group that ran backward (zeros where no gradient arrived here: its peers
+        may have some), then reshard. Under ``no_sync`` the gradient buffers keep accumulating."""
         for dbuffer in group.dbuffers:
             if dbuffer in self._reduced:
                 continue
@@ -337,6 +335,7 @@ class RaggedFSDPState:
     def _reduce(self, dbuffer: DBuffer, all_reduce: bool) -> None:
         """Issue one DBuffer's asynchronous reduction, finishing the previous ones first (at most one in flight)."""
         self._finish_in_flight()
+        dbuffer.carry_frozen = self.carry_frozen
         dbuffer.reduce_grad(async_op=True, all_reduce=all_reduce)
         self._in_flight.append(dbuffer)
         self._reduced.append(dbuffer)
@@ -360,6 +359,7 @@ class RaggedFSDPState:
         reduced = [dbuffer for dbuffer in self._reduced if not dbuffer.holds]  # held: no gradient written yet
         if reduced:
             settle_unused(reduced, self.stats, self._finish_in_flight)
+            self.carry_frozen = False
         self._finish_in_flight()
         self._reduced = []
         self._in_backward = False

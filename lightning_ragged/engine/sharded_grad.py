@@ -15,7 +15,7 @@ master dtype it is *adopted* as the sharded gradient, untouched: no copy, no sec
 from __future__ import annotations
 
 import weakref
-from typing import Mapping, Sequence
+from typing import Collection, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -43,8 +43,17 @@ class ShardedGrad:
     def flat(self, value: torch.Tensor | None) -> None:
         self._flat = None if value is None else weakref.ref(value)
 
-    def write(self, params: Mapping[str, nn.Parameter], segment: torch.Tensor, scale: float, adoptable: bool) -> bool:
-        """Set ``.grad = scale * segment`` (fresh) or add it (accumulating); True when ``segment`` was adopted.
+    @staticmethod
+    def carrying(params: Mapping[str, nn.Parameter], carry_frozen: bool) -> list[str]:
+        """Shards a reduction gives a gradient: the trainable ones, after a no_sync backward (``carry_frozen``) the
+        frozen ones too (frozen since a micro-batch gave them a gradient, they keep it, as DDP's ``.grad``)."""
+        return [name for name, param in params.items() if param.requires_grad or carry_frozen]
+
+    def write(
+        self, params: Mapping[str, nn.Parameter], segment: torch.Tensor, scale: float, adoptable: bool, carrying: Collection[str]
+    ) -> bool:
+        """Set ``.grad = scale * segment`` (fresh) or add it (accumulating) for the shards ``carrying`` a gradient
+        (the trainable ones, and after a no_sync backward the frozen ones too); True when ``segment`` was adopted.
 
         ``adoptable``: ``segment`` is a buffer the caller gives up (a single rank's whole gradient
         buffer); it becomes the flat gradient itself when every ``.grad`` is None, it has the
@@ -70,14 +79,15 @@ class ShardedGrad:
                         view.copy_(param.grad)
                 flat.add_(segment, alpha=scale)
         self.flat = flat
-        for name, param in params.items():  # frozen ones too: one frozen since a no_sync micro-batch carries its
-            param.grad = flat[self.slices[name]]  # gradient (as DDP's .grad); settle_unused unsets those with none
+        for name in carrying:
+            params[name].grad = flat[self.slices[name]]
         return adopted
 
-    def settle_unused(self, params: Mapping[str, nn.Parameter], used_anywhere: Sequence[bool]) -> None:
-        """Back to ``grad = None`` for each shard (in order) that no rank used and that had none before."""
-        self.used = {name for name, used in zip(params, used_anywhere) if used}
-        for name, used in zip(params, used_anywhere):
+    def settle_unused(self, params: Mapping[str, nn.Parameter], carrying: Sequence[str], used_anywhere: Sequence[bool]) -> None:
+        """Back to ``grad = None`` for each shard ``carrying`` a gradient (in order) that no rank used and that had
+        none before."""
+        self.used = {name for name, used in zip(carrying, used_anywhere) if used}
+        for name, used in zip(carrying, used_anywhere):
             if not used and name in self.was_none:
                 params[name].grad = None
 

@@ -198,7 +198,8 @@ def test_kinds_whose_copies_are_not_consecutive_stay_one_per_group():
 
 # ----------------------------------------------------------------------------------- inputs and the CLI
 @pytest.mark.parametrize(
-    "value, expected", [("80GB", 80 * 10**9), ("80GiB", 80 * 2**30), ("1.5e3", 1500), (4096, 4096), ("512 mib", 2**29)]
+    "value, expected", [("80GB", 80 * 10**9), ("80GiB", 80 * 2**30), ("1.5e3", 1500), (4096, 4096), ("512 mib", 2**29),
+                        ("4.1GB", 4_100_000_000), ("70.3GiB", 75_484_050_227)]  # exact (floats refused 4.1GB), rounded down
 )
 def test_parse_bytes(value, expected):
     assert parse_bytes(value) == expected

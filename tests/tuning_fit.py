@@ -28,7 +28,7 @@ from tests.lightning_models import LitTinyGPT, cpu_trainer, token_loader  # noqa
 warnings.filterwarnings("ignore")
 STEPS, LOG_EVERY, BATCH = 4, 2, 4
 SMALL = max(p.numel() * p.element_size() for p in LitTinyGPT().parameters())
-"""The largest parameter's bytes: the smallest dbuffer_size fully_shard accepts (blocks split)."""
+"""The largest parameter's bytes: a dbuffer_size that splits the blocks into several DBuffers."""
 
 
 def fit(directory: str, dbuffer_size) -> dict:

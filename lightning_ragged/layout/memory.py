@@ -8,6 +8,7 @@ unsharded. Activations are not included.
 from __future__ import annotations
 
 import re
+from fractions import Fraction
 from typing import Any, Mapping, Sequence, Union
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
@@ -66,7 +67,7 @@ def parse_bytes(value: Union[str, int, float], name: str = "memory_budget_bytes"
     if isinstance(value, bool):
         raise ValueError(f"{name}={value!r} is not a size; pass bytes (an int) or a string such as '80GB' or '80GiB'")
     if isinstance(value, (int, float)):
-        number, unit = float(value), ""
+        number, unit = Fraction(value), ""
     else:
         match = _SIZE.match(str(value))
         if not match or match.group(2).lower() not in _UNITS:
@@ -74,9 +75,9 @@ def parse_bytes(value: Union[str, int, float], name: str = "memory_budget_bytes"
                 f"{name}={value!r} is not a size; pass bytes (an int) or a number with a unit "
                 f"({', '.join(u.upper() for u in _UNITS if u)}), e.g. '80GB' (80*10**9) or '80GiB' (80*2**30)"
             )
-        number, unit = float(match.group(1)), match.group(2).lower()
-    size = number * _UNITS[unit]
-    if size < 1 or size != int(size):
+        number, unit = Fraction(match.group(1)), match.group(2).lower()  # exact: "4.1GB" is 4,100,000,000
+    size = number * _UNITS[unit]  # with a unit, whole bytes rounded down ('70.3GiB'); bytes alone must be whole
+    if size < 1 or (not unit and size != int(size)):
         raise ValueError(f"{name}={value!r} must be a positive whole number of bytes, e.g. '80GB' or '1.5GiB'")
     return int(size)
 

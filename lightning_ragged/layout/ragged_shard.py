@@ -16,6 +16,7 @@ from typing import Any, Sequence
 import torch
 
 from lightning_ragged.layout.errors import RaggedShardBoundaryViolation
+from lightning_ragged.layout.granularity import row_numel
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]
 """An N-D rectangle of a tensor: (offsets, sizes)."""
@@ -107,8 +108,7 @@ def shard_of(param: torch.Tensor, name: str | None = None) -> RaggedShard:
 
 
 def _rows_hint(shape: Sequence[int], block_numel: int) -> int:
-    row = math.prod(shape[1:]) if len(shape) > 1 else 1
-    return max(1, math.ceil(block_numel / row))
+    return max(1, math.ceil(block_numel / row_numel(shape)))  # rows as shard_granularity="block" counts them
 
 
 def flat_range_to_boxes(shape: Sequence[int], start: int, end: int) -> list[Box]:

@@ -6,8 +6,8 @@ numbers, the groups' sizes and a memory limit, and returns a :class:`Recommendat
 its reason. The rules, first match wins:
 
 1. **memory near the limit** (headroom under ``NEAR_LIMIT_FRACTION`` of the limit): prefetch
-   one group fewer if more than one is prefetched; else halve ``dbuffer_size`` (never below
-   the largest parameter). A group formed by size (no block stack) then shrinks; a group of
+   one group fewer if more than one is prefetched; else halve ``dbuffer_size`` (a parameter
+   larger than it keeps a DBuffer of its own). A group formed by size (no block stack) then shrinks; a group of
    whole blocks is only split into more DBuffers, all gathered together, so its peak stays
    (the reason says so and names the fix: smaller ``group_modules``).
 2. **all-gathers exposed** (``comm_hidden_ratio`` under ``HIDDEN_TARGET``) with headroom: if
@@ -112,13 +112,15 @@ def recommend(m: TuningInput) -> Recommendation:
                                   f"frees up to {format_bytes(biggest.unsharded_bytes)} ({biggest.name!r})")
         largest_param = max(g.largest_param_bytes for g in groups)
         largest_dbuffer = max(max(g.dbuffer_bytes) for g in groups)
-        smaller = _round_up(max(largest_param, min(size, largest_dbuffer) / 2))
+        smaller = _round_up(min(size, largest_dbuffer) / 2)
         if smaller >= size:
             return Recommendation(size, depth, "keep",
-                                  f"{near}, but dbuffer_size cannot shrink below the largest parameter "
-                                  f"({format_bytes(largest_param)}): lower the batch size or checkpoint activations")
+                                  f"{near}, but dbuffer_size {format_bytes(size)} is as small as it goes: lower the "
+                                  "batch size or checkpoint activations")
         reason = (f"{near}: dbuffer_size {format_bytes(size)} -> {format_bytes(smaller)} shrinks groups formed by size "
                   f"(full buffers alive at once peaked at {format_bytes(m.unsharded_peak_bytes + m.grad_peak_bytes)})")
+        if largest_param > smaller:
+            reason += f"; a parameter larger than that (the largest: {format_bytes(largest_param)}) keeps a DBuffer of its own"
         whole = [g for g in groups if g.param_bytes > smaller]
         if whole:
             reason += (f"; {len(whole)} group(s) such as {whole[0].name!r} ({format_bytes(whole[0].param_bytes)}) are only "

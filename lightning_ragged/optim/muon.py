@@ -11,7 +11,7 @@ does it on the full tensor):
    coefficients (3.4445, −4.7750, 2.0315)) on the *whole* matrix:
 
    * a matrix that lies whole in one rank's segment (``shard_granularity="muon"`` or
-     ``"matrix"``; ``"row"`` for expert stacks; ``"block"`` with ``block_rows=d`` for heads; or a
+     ``"matrix"``; ``"muon"`` for expert stacks; ``"block"`` with ``block_rows=d`` for heads; or a
      plan that happens to keep it whole) is orthogonalized by its owner — no collective;
      the new values reach the other ranks through the next all-gather;
    * a matrix split across ranks is sent to a root rank chosen by load balancing

@@ -109,8 +109,8 @@ def main() -> None:
             "then one forward and backward on fake tensors. Sampled ranks: first, last, middle, and the first rank "
             "(neither first nor last) whose segment of some DBuffer holds only padding, found from the planner's "
             f"layout. Settings: `shard_granularity={GRANULARITY!r}` (default), fp32 master, bf16 compute "
-            f"(`mp_policy`), default alignment (16 bytes), `dbuffer_size={DBUFFER_SIZE:,}` (one DBuffer per run: "
-            "the default 256 MiB refuses both models, see below). Models: the plan CLI presets' config.json shape "
+            f"(`mp_policy`), default alignment (16 bytes), `dbuffer_size={DBUFFER_SIZE:,}` (fully_shard's "
+            "default: a block splits into several DBuffers, a tensor larger than that in one of its own). Models: the plan CLI presets' config.json shape "
             "fields with few layers, built by `transformers` (LlamaConfig, DeepseekV3Config, experts fused as "
             "the modules hold them).",
             "",
@@ -149,13 +149,12 @@ def main() -> None:
             "end of backward, and the previous block's gradient buffer while its reduce-scatter is in flight "
             "(at most one; freed when it finishes). So the estimate is low when a block is the largest group "
             "(DeepSeek-V3) and off in either direction when the root is (Llama-3-70B).",
-            "- `fully_shard`'s default `dbuffer_size` (256 MiB) raises `DBufferAlignmentError` on both models (a "
-            "Llama-3-70B MLP matrix is 940 MB in fp32, a DeepSeek-V3 `o_proj` 470 MB); the plan CLI's default "
-            "is one DBuffer per run, so the two defaults disagree on these models.",
-            "- `shard_granularity=\"row\"` keeps a fused expert tensor [E, a, b]'s rows of a·b elements whole: "
-            "one whole expert, so the MoE block's S is one expert's gate_up (29,360,128) at any world size. "
-            "`benchmarks/planner_table.py` views [E, a, b] as (E·a, b) rows instead, so its '1x rows' DeepSeek "
-            "numbers are not those of `fully_shard(shard_granularity=\"row\")`.",
+            "- `fully_shard`'s default `dbuffer_size` (256 MiB) splits each block into several DBuffers (it was an "
+            "error for a tensor larger than it: a Llama-3-70B MLP matrix is 940 MB in fp32); the plan CLI now "
+            "defaults to the same size, so prediction and engine split alike.",
+            "- `shard_granularity=\"row\"` cuts a fused expert tensor [E, a, b] at rows of one expert (b elements), "
+            "as `benchmarks/planner_table.py` counts rows (it was a whole expert, a·b: the MoE block's S was one "
+            "expert's gate_up, 29,360,128, at any world size).",
             "- The step runs outside `FakeTensorMode` (on fake tensors): the engine's end of backward reads its "
             "gradient-flags tensor on the host (`runtime._settle_unused`, `counts.tolist()`), which a fake "
             "tensor cannot; created outside the mode it is a real tensor the fake all-reduce leaves as it is.",

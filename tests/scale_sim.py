@@ -34,9 +34,9 @@ MODELS: dict[str, dict[str, Any]] = {
     "deepseek-v3": dict(num_hidden_layers=3, first_k_dense_replace=1),  # one dense block, two MoE blocks
 }
 GRANULARITY = "row"  # fully_shard's default
-DBUFFER_SIZE = 2**40
-"""One DBuffer per run of a group (the plan CLI's default). fully_shard's default, 256 MiB, refuses
-these models: a Llama-3-70B MLP matrix is 940 MB in fp32, a DeepSeek-V3 fused expert tensor 30 GB."""
+DBUFFER_SIZE = 256 * 2**20  # engine.api.DEFAULT_DBUFFER_SIZE (imported late here, as the rest of the package)
+"""fully_shard's default (256 MiB, the plan CLI's too): blocks split into several DBuffers, each tensor larger
+than it (a Llama-3-70B MLP matrix, 940 MB in fp32; a DeepSeek-V3 fused expert tensor, 30 GB) in one of its own."""
 MASTER, COMPUTE = torch.float32, torch.bfloat16
 SEQUENCE = 16
 
@@ -104,15 +104,19 @@ def empty_ranks(preset: str, world: int) -> list[int]:
     from lightning_ragged.layout.planner import plan
     from lightning_ragged.layout.spec import TensorSpec
 
+    from lightning_ragged.engine.grouping import split_into_dbuffers
+
     empty: set[int] = set()
     for kind in describe_model(config_of(preset), preset).groups:
         for run in kind.runs:
-            specs = [
-                TensorSpec(name, torch.Size(shape).numel(), shape_granularity(GRANULARITY, name, shape, 128))
-                for name, shape in run
-            ]
-            layout = plan(specs, world, alignment=view_alignment())
-            empty.update(k for k in range(world) if not layout.local_pieces(k))
+            params = [(name, torch.nn.Parameter(torch.empty(shape, device="meta", dtype=MASTER))) for name, shape in run]
+            for dbuffer in split_into_dbuffers(params, DBUFFER_SIZE):  # as fully_shard splits the run
+                specs = [
+                    TensorSpec(name, p.numel(), shape_granularity(GRANULARITY, name, tuple(p.shape), 128))
+                    for name, p in dbuffer
+                ]
+                layout = plan(specs, world, alignment=view_alignment())
+                empty.update(k for k in range(world) if not layout.local_pieces(k))
     return sorted(empty)
 
 

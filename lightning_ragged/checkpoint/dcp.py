@@ -58,6 +58,7 @@ def boxes_as_dtensor(
     nothing local (DCP then simply gets no chunk from this rank).
     """
     from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
     from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
 
     if not boxes:
@@ -75,9 +76,11 @@ def boxes_as_dtensor(
     # The placement is only a label here (DCP asks the wrapper for the chunks); a 0-D
     # tensor has no dim 0 to shard, and its one box is the whole of it.
     placement = Shard(0) if len(shape) else Replicate()
-    return DTensor.from_local(
-        wrapper, _mesh(group, flat.device.type), [placement], shape=shape, stride=_contiguous_stride(shape), run_check=False
-    )
+    meta = TensorMeta(shape, _contiguous_stride(shape), flat.dtype)
+    # Built directly, not by ``DTensor.from_local``: that views the wrapper as itself, which torch's
+    # LocalShardsWrapper refuses for several boxes of a tensor of 3 or more dims (a fused expert stack cut
+    # inside an expert: "No support for view on tensors ndim > 2").
+    return DTensor(wrapper, DTensorSpec(_mesh(group, flat.device.type), (placement,), tensor_meta=meta), requires_grad=False)
 
 
 def shard_as_dtensor(flat: torch.Tensor, shard: RaggedShard) -> torch.Tensor | None:

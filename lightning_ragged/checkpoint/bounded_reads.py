@@ -74,7 +74,7 @@ class _BoundedStream(io.RawIOBase):
             while block := self.read(_BLOCK):
                 blocks.append(block)
             return b"".join(blocks)
-        data = self.inner.read(min(size, self.limit + 1 - self.count) or 1)
+        data = self.inner.read(size)
         self.count += len(data)
         if self.count > self.limit:
             raise InflationError(
@@ -82,8 +82,3 @@ class _BoundedStream(io.RawIOBase):
                 "(damaged or hostile compressed bytes; a trusted checkpoint is read unbounded)"
             )
         return data
-
-    def readinto(self, buffer: Any) -> int:
-        data = self.read(len(buffer))
-        buffer[: len(data)] = data
-        return len(data)

@@ -177,3 +177,19 @@ def _check_inside(root: Path, directory: Path, where: Path, relative: str, trust
             "reads only its own files); if you made these links (a Hugging Face cache, shards moved to another "
             "disk), load with trust_checkpoint=True"
         )
+
+
+def check_data_files(directory: Path, metadata: Metadata) -> None:
+    """Every data file ``.metadata`` names exists and is at least as long as its items (after ``check_structure``)."""
+    needed: dict[str, int] = {}
+    for info in metadata.storage_data.values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    for relative, size in sorted(needed.items()):
+        file = directory / relative
+        if not file.is_file():
+            raise CorruptCheckpointError(f"{directory} is incomplete: data file {relative} is missing")
+        actual = file.stat().st_size
+        if actual < size:
+            raise CorruptCheckpointError(
+                f"{directory} is truncated: data file {relative} has {actual} bytes, the checkpoint records {size}"
+            )

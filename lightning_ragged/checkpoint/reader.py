@@ -323,7 +323,7 @@ def inspect_checkpoint(
             manifest.check_covers(metadata.storage_data or {})
         except checksums.ChecksumMismatch as error:
             raise ChecksumMismatchError(f"{path} is damaged: {error}", path / checksums.MANIFEST_FILENAME, error.tensor) from error
-    _check_data_files(path, metadata)
+    metadata_checks.check_data_files(path, metadata)
     return info
 
 
@@ -360,24 +360,6 @@ def _load_meta(file: Path, trusted: bool, data: bytes | None = None) -> dict[str
         if is_refusal(error):
             raise untrusted(file, error) from error
         raise CorruptCheckpointError(f"{file} is unreadable ({type(error).__name__}: {error})") from error
-
-
-def _check_data_files(path: Path, metadata: Metadata) -> None:
-    needed: dict[str, int] = {}
-    for info in (metadata.storage_data or {}).values():
-        relative = getattr(info, "relative_path", None)
-        if relative is None:
-            continue
-        needed[relative] = max(needed.get(relative, 0), info.offset + info.length)
-    for relative, size in sorted(needed.items()):
-        file = path / relative
-        if not file.is_file():
-            raise CorruptCheckpointError(f"{path} is incomplete: data file {relative} is missing")
-        actual = file.stat().st_size
-        if actual < size:
-            raise CorruptCheckpointError(
-                f"{path} is truncated: data file {relative} has {actual} bytes, the checkpoint records {size}"
-            )
 
 
 def check_model_matches(info: CheckpointInfo, expected: Mapping[str, tuple[int, ...]], strict: bool = True) -> None:

@@ -47,7 +47,7 @@ from lightning_ragged.engine.grouping import (
     GroupSpec, ParamGroupPlan, group_name, parameter_slots, plan_groups, split_into_dbuffers,
 )
 from lightning_ragged.layout.planner import check_alignment, plan
-from lightning_ragged.layout.spec import TensorSpec
+from lightning_ragged.layout.spec import TensorSpec, is_positive_int
 from lightning_ragged.engine.retired_params import retire
 from lightning_ragged.engine.runtime import RaggedFSDPState, get_state
 from lightning_ragged.engine.shard_group import ShardGroup
@@ -350,7 +350,7 @@ def auto_plan_for(
     ``replicate_degree=None`` lets it choose the HSDP degree too (the strategy's
     ``replicate_degree="auto"`` does, before it builds the process groups); an int fixes it.
     """
-    if isinstance(memory_budget_bytes, bool) or not isinstance(memory_budget_bytes, int) or memory_budget_bytes < 1:
+    if not is_positive_int(memory_budget_bytes):
         raise ValueError(
             f"memory_budget_bytes={memory_budget_bytes!r}: planning='auto' needs the per-rank memory budget in "
             "bytes, e.g. memory_budget_bytes=80 * 10**9"

@@ -49,7 +49,7 @@ from lightning_ragged.engine.collectives import PendingCollective
 from lightning_ragged.engine.grouping import parameter_slots
 from lightning_ragged.engine.shard_cast import KeptWhileUnchanged
 from lightning_ragged.layout.errors import RaggedShardBoundaryViolation
-from lightning_ragged.layout.spec import Layout
+from lightning_ragged.layout.spec import Layout, is_positive_int
 
 FP8_DTYPES = {"float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
 """The fp8 formats the all-gather can carry, by name (e4m3: max 448, finer; e5m2: max 57344, coarser)."""
@@ -75,7 +75,7 @@ class Float8AllGather:
     module_filter: ModuleFilter | None = None
 
     def __post_init__(self) -> None:
-        if isinstance(self.tile, bool) or not isinstance(self.tile, int) or self.tile < 1:
+        if not is_positive_int(self.tile):
             raise ValueError(
                 f"Float8AllGather(tile={self.tile!r}): one scale covers tile x tile elements; pass a positive int "
                 "such as tile=128"

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from lightning_ragged.layout.errors import DBufferAlignmentError
+from lightning_ragged.layout.spec import is_positive_int
 
 GroupSpec = Union[Type[nn.Module], nn.Module, Sequence[nn.Module]]
 """A block class, one module, or a list of consecutive sibling modules that form one group."""
@@ -312,14 +313,14 @@ def split_into_dbuffers(
 
 
 def _check_dbuffer_size(dbuffer_size: int) -> None:
-    if not isinstance(dbuffer_size, int) or isinstance(dbuffer_size, bool) or dbuffer_size <= 0:
+    if not is_positive_int(dbuffer_size):
         raise DBufferAlignmentError(
             f"dbuffer_size={dbuffer_size!r} must be a positive number of bytes, e.g. 256 * 2**20 (256 MiB)"
         )
 
 
 def _check_blocks_per_group(blocks_per_group: int) -> None:
-    if not isinstance(blocks_per_group, int) or isinstance(blocks_per_group, bool) or blocks_per_group < 1:
+    if not is_positive_int(blocks_per_group):
         raise ValueError(
             f"blocks_per_group={blocks_per_group!r} must be an int >= 1 (1: one block per group; k: k consecutive "
             "blocks of a stack per group)"

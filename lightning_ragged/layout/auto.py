@@ -31,7 +31,7 @@ from lightning_ragged.layout.granularity import GranularityPolicy, check_block_r
 from lightning_ragged.layout.memory import OPTIMIZER_STATE_BYTES, memory_estimate
 from lightning_ragged.layout.packing import segment_lower_bound
 from lightning_ragged.layout.planner import ALGORITHMS, plan
-from lightning_ragged.layout.spec import TensorSpec, align_up
+from lightning_ragged.layout.spec import TensorSpec, align_up, is_positive_int
 
 Shapes = list[tuple[str, tuple[int, ...]]]
 DEFAULT_PADDING_TARGET = 0.03
@@ -437,7 +437,7 @@ def _check(kinds, world, policy, budget, block_rows, alignment, algorithm, maste
     if not kinds or not all(isinstance(k, GroupKind) for k in kinds):
         raise ValueError(f"groups={kinds!r} must be a non-empty list of GroupKind (or a ModelDescription)")
     for name, value in (("world_size", world), ("memory_budget_bytes", budget), ("alignment", alignment)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        if not is_positive_int(value):
             raise ValueError(f"{name}={value!r} must be a positive int")
     check_policy(policy)
     check_block_rows(block_rows)

@@ -7,6 +7,8 @@ from typing import Callable, Iterable, Sequence, Union
 
 import torch
 
+from lightning_ragged.layout.spec import is_positive_int
+
 GranularityPolicy = Union[str, Callable[[str, torch.Tensor], int]]
 """"element" | "row" | "block" | "matrix" | "muon", or ``(name, param) -> granularity in elements``."""
 
@@ -59,7 +61,7 @@ def resolve_granularity(policy: GranularityPolicy, name: str, param: torch.Tenso
     numel = param.numel()
     if callable(policy):
         granularity = policy(name, param)
-        if not isinstance(granularity, int) or isinstance(granularity, bool) or granularity < 1:
+        if not is_positive_int(granularity):
             raise ValueError(
                 f"shard_granularity callable returned {granularity!r} for parameter {name!r}; "
                 "it must return a positive int (granularity in elements)"
@@ -93,5 +95,5 @@ def check_policy(policy: object) -> None:
 
 def check_block_rows(block_rows: object) -> None:
     """``block_rows`` must be a positive int (not a bool)."""
-    if not isinstance(block_rows, int) or isinstance(block_rows, bool) or block_rows < 1:
+    if not is_positive_int(block_rows):
         raise ValueError(f"block_rows={block_rows!r} is invalid; pass a positive int such as 128")

@@ -15,7 +15,7 @@ from typing import Mapping, Sequence
 
 from lightning_ragged.layout.errors import DBufferAlignmentError
 from lightning_ragged.layout.search import plan_greedy, plan_optimal
-from lightning_ragged.layout.spec import Layout, Placement, TensorSpec
+from lightning_ragged.layout.spec import Layout, Placement, TensorSpec, is_positive_int
 
 ALGORITHMS = ("greedy", "optimal")
 
@@ -88,11 +88,6 @@ def _make_layout(
         algorithm=algorithm,
         plan_seconds=seconds,
     )
-
-
-def is_positive_int(value: object) -> bool:
-    """An int >= 1 that is not a bool (``True`` is an int to Python, never a count here)."""
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
 def check_alignment(alignment: object) -> None:

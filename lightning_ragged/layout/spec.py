@@ -33,6 +33,11 @@ Placement = list[tuple["TensorSpec", int]]
 """Tensors with their offsets, in buffer order."""
 
 
+def is_positive_int(value: object) -> bool:
+    """An int >= 1 that is not a bool (``True`` is an int to Python, never a count here)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
 @dataclass(frozen=True)
 class TensorSpec:
     """One tensor of a group: its name, element count and granularity (elements per uncuttable block).
@@ -48,7 +53,7 @@ class TensorSpec:
     def __post_init__(self) -> None:
         if not isinstance(self.numel, int) or isinstance(self.numel, bool) or self.numel < 0:
             raise ValueError(f"tensor {self.name!r}: numel={self.numel!r} is invalid; pass a non-negative int")
-        if not isinstance(self.granularity, int) or isinstance(self.granularity, bool) or self.granularity < 1:
+        if not is_positive_int(self.granularity):
             raise ValueError(
                 f"tensor {self.name!r}: granularity={self.granularity!r} is invalid; "
                 "pass a positive int (1 = may be cut at any element)"

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping, MutableMapping
 
 from lightning_ragged.engine.collective_errors import CollectiveTimeoutError, short_ranks
+from lightning_ragged.layout.spec import is_positive_int
 
 DUMP_PREFIX = "nccl_trace_rank_"
 """File name of each rank's dump (``TORCH_NCCL_DEBUG_INFO_TEMP_FILE`` is the path up to the rank)."""
@@ -49,7 +50,7 @@ def configure_flight_recorder(
     Call before the NCCL process group is created (torch reads the variables then). A
     variable the user set, under its NCCL name or its newer ``TORCH_FR_*`` one, is kept as it is.
     """
-    if not isinstance(buffer_size, int) or isinstance(buffer_size, bool) or buffer_size <= 0:
+    if not is_positive_int(buffer_size):
         raise ValueError(f"buffer_size={buffer_size!r}: the flight recorder needs a positive number of entries")
     if "nccl" not in str(backend).lower():
         return {}

@@ -44,6 +44,7 @@ from prometheus_client import CollectorRegistry, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from lightning_ragged.engine.collective_errors import default_store
+from lightning_ragged.layout.spec import is_positive_int
 from lightning_ragged.observability.metrics import PREFIX, EngineMetrics
 
 HEARTBEAT_KEY = "ragged_fsdp/heartbeat/"
@@ -70,7 +71,7 @@ class Monitor:
         ):
             raise ValueError(f"connection_timeout={connection_timeout!r} must be positive seconds, e.g. 10.0")
         for name, value in (("max_connections", max_connections), ("max_idle_connections", max_idle_connections)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            if not is_positive_int(value):
                 raise ValueError(f"{name}={value!r} must be a positive int, e.g. 8")
         self.metrics = metrics
         self.connection_timeout = float(connection_timeout)

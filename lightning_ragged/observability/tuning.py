@@ -32,6 +32,7 @@ from typing import Any, Literal, Mapping, Optional, Sequence
 import torch
 
 from lightning_ragged.layout.memory import format_bytes
+from lightning_ragged.layout.spec import is_positive_int
 from lightning_ragged.observability.metrics import PREFIX, EngineMetrics, process_memory
 
 TUNING_FILE = "ragged_fsdp_tuning.json"
@@ -242,7 +243,7 @@ def read_recommendation(directory: str | os.PathLike) -> Optional[Recommendation
     except (OSError, ValueError, KeyError, TypeError) as error:
         raise ValueError(f"dbuffer_size='recommended': {path} is not a tuning file ({error}); {fix}") from None
     size = fields["dbuffer_size"]
-    if data.get("version") != FORMAT_VERSION or not isinstance(size, int) or isinstance(size, bool) or size <= 0:
+    if data.get("version") != FORMAT_VERSION or not is_positive_int(size):
         raise ValueError(f"dbuffer_size='recommended': {path} holds version {data.get('version')!r}, "
                          f"dbuffer_size {size!r} (want version {FORMAT_VERSION}, a positive int); {fix}")
     return Recommendation(**fields)

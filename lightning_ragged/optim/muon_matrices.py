@@ -21,6 +21,8 @@ from typing import Callable, Mapping, Optional, Sequence, Union
 
 import torch
 
+from lightning_ragged.layout.spec import is_positive_int
+
 HeadSpec = Union[Mapping[str, int], Callable[[str, torch.Size], Optional[int]], None]
 """``qkv_heads``: ``{name fragment: head matrices}``, or ``(name, global_shape) -> head matrices | None``."""
 
@@ -43,7 +45,7 @@ def head_count(name: str, shape: Sequence[int], qkv_heads: HeadSpec) -> int | No
         count = counts.pop() if counts else None
     if count is None:
         return None
-    if not isinstance(count, int) or isinstance(count, bool) or count < 1:
+    if not is_positive_int(count):
         raise ValueError(f"qkv_heads gives parameter {name!r} the head count {count!r}; it must be a positive int")
     if len(shape) != 2 or shape[0] % count:
         raise ValueError(

@@ -49,7 +49,9 @@ def check_training_matches_single_process(
 
     ``forwards="two"``: each step's loss sums two forwards (the local batch's halves) before one
     backward; ``"discarded"``: a forward with gradients enabled whose graph is dropped precedes it;
-    ``"raised-first"``: a forward that raises in the second block comes before the optimizer is built.
+    ``"raised-first"``: a forward that raises in the second block comes before the optimizer is built;
+    ``"eval-before-step"``: a no-grad forward between backward and the optimizer step; ``"kept-after-backward"``:
+    ``set_reshard_after_backward(False)`` for the whole run (full parameters kept across every step).
     """
     data = make_batches(STEPS, batch)
     reference = make_model()
@@ -63,6 +65,8 @@ def check_training_matches_single_process(
         handle.remove()
         shards = [hasattr(p, "ragged_shard") for p in model.parameters()]  # before: full views of two groups
         assert all(shards), shards
+    if forwards == "kept-after-backward":
+        model.set_reshard_after_backward(False)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     state = lr.get_state(model)
     reduces_per_step = []
@@ -93,6 +97,9 @@ def check_training_matches_single_process(
                 lm_loss(model, local[:1])  # its graph dies unused; the next forward must not wait for its backward
             lm_loss(model, local).backward()
         reduces_per_step.append(state.stats.reduces - before)
+        if forwards == "eval-before-step":
+            with torch.no_grad():
+                model(local[:, :-1])  # e.g. a metric on the batch before stepping
         opt.step()
         opt.zero_grad()
         reference_loss = lm_loss(reference, data[step])

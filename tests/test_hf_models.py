@@ -310,6 +310,99 @@ def test_generate_keeps_ranks_in_step_when_one_ends_first(dist_pool, impl: str) 
     assert results[0]["new_tokens"] == 1 and results[1]["new_tokens"] > 1, results
 
 
+def _generation_gathers() -> dict:
+    """All-gathers of a no-grad ``generate`` of 6 tokens (6 forwards): by default, reshard_after_forward=False,
+    and False after ``unshard()`` of every module (FSDP2's rule: each forward gathers every group once; False
+    gathers each once and keeps it; unsharded first, none)."""
+    import torch.distributed as dist
+
+    import lightning_ragged as lr
+    from tests.hf_models import make_llama
+
+    prompt = torch.randint(1, 128, (1, 5), generator=torch.Generator().manual_seed(dist.get_rank()))
+    kwargs = {"max_new_tokens": 6, "min_new_tokens": 6, "do_sample": False, "pad_token_id": 0}
+    with torch.no_grad():
+        expected = make_llama().generate(prompt, **kwargs)
+    result = {}
+    for variant in ("default", "kept", "unsharded_first"):
+        model = make_llama()
+        for layer in model.model.layers:
+            lr.fully_shard(layer, reshard_after_forward=variant == "default")
+        lr.fully_shard(model, reshard_after_forward=variant == "default")
+        if variant == "unsharded_first":
+            for module in model.modules():
+                if isinstance(module, lr.FSDPModule):
+                    module.unshard()
+        state = lr.get_state(model)
+        before = state.stats.all_gathers
+        with torch.no_grad():
+            same = torch.equal(model.generate(prompt, **kwargs), expected)
+        result[variant] = (state.stats.all_gathers - before, same)
+    result["dbuffers"] = len(list(state.dbuffers()))
+    return result
+
+
+def test_generate_gathers_each_buffer_once_per_forward_or_keeps_it(dist_pool) -> None:
+    # before: a no-grad forward's head re-gathered the first block, unused (5 of 4 per forward), and
+    # reshard_after_forward=False and unshard() were dropped after every no-grad forward (34 and 30, not 4 and 0)
+    for result in dist_pool(2).run(_generation_gathers):
+        per_forward = result["dbuffers"]
+        assert result["default"] == (6 * per_forward, True), result
+        assert result["kept"] == (per_forward, True), result
+        assert result["unsharded_first"] == (0, True), result
+
+
+def _rank_local_generation(impl: str) -> dict:
+    """FSDP2's idiom for generating on one rank: after a training step, every rank keeps its modules unsharded
+    (``set_reshard_after_forward(False)``, ``unshard()``), rank 0 alone generates, then all reshard and train on."""
+    import torch.distributed as dist
+
+    import lightning_ragged
+    from tests.hf_models import make_llama
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    batches = [torch.randint(1, 128, (2 * world, 8), generator=torch.Generator().manual_seed(s)) for s in (1, 2)]
+    reference = make_llama()
+    model = make_llama()
+    for layer in model.model.layers:
+        _shard(layer, impl)
+    _shard(model, impl)
+    optimizer = _adamw(model.parameters())
+    modules = [m for m in model.modules() if isinstance(m, (FSDPModule, lightning_ragged.FSDPModule))]
+    _lm_loss(model, _local_rows(batches[0], rank, world)).backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    _train_reference(reference, batches[:1])
+    for module in modules:
+        module.set_reshard_after_forward(False)
+        module.unshard()
+    same = None
+    if rank == 0:
+        prompt = torch.randint(1, 128, (1, 5), generator=torch.Generator().manual_seed(7))
+        kwargs = {"max_new_tokens": 5, "do_sample": False, "pad_token_id": 0, "synced_gpus": False}
+        with torch.no_grad():
+            same = torch.equal(model.generate(prompt, **kwargs), reference.generate(prompt, **kwargs))
+    dist.barrier()
+    for module in modules:
+        module.reshard()
+        module.set_reshard_after_forward(True)
+    _lm_loss(model, _local_rows(batches[1], rank, world)).backward()
+    optimizer.step()
+    reference_after = make_llama()
+    _train_reference(reference_after, batches)
+    expected = {k: v.detach() for k, v in reference_after.state_dict().items()}
+    return {"same": same, "param_diff": _max_diff(expected, _full_params(model, impl))}
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_generate_on_one_rank_with_everything_unsharded(dist_pool, impl: str) -> None:
+    # before: rank 0 waited in the buffer broadcast of its first forward (and, without it, in an all-gather: the
+    # no-grad forward dropped what unshard() gathered), rank 1 in the barrier: a timeout
+    results = dist_pool(2).run(_rank_local_generation, impl)
+    assert results[0]["same"] is True, results
+    assert all(result["param_diff"] <= FP32_TOL for result in results), results
+
+
 @pytest.mark.parametrize("variant", ["accumulate", "reshard_after_backward", "prefetch"])
 @pytest.mark.parametrize("impl", IMPLS)
 def test_llama_fsdp2_module_methods_train_like_single_process(dist_pool, impl: str, variant: str) -> None:

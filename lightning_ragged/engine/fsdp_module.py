@@ -19,6 +19,7 @@ from torch import nn
 
 from lightning_ragged.engine.collectives import check_comm
 from lightning_ragged.engine.state_dict import full_state_dict
+from lightning_ragged.engine.state_shard import StateShard
 
 _SUBCLASSES: dict[tuple[type, bool], type] = {}
 
@@ -130,15 +131,15 @@ class FSDPModule:
             group.reshard_after_backward = bool(reshard_after_backward)
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, *, recurse: bool = True) -> None:
-        """Free the full parameters after forward (True) or keep them for backward (False)."""
+        """Free the full parameters after forward (True) or keep them for backward (False); under ``no_grad``
+        (evaluation, generation) False keeps them across forwards, until ``reshard()`` or a backward's end."""
         if not isinstance(reshard_after_forward, bool):
             raise ValueError(
                 f"set_reshard_after_forward({reshard_after_forward!r}): pass a bool; an int (reshard to a "
                 "smaller group) needs its process groups made at fully_shard(..., reshard_after_forward=int)"
             )
         for group in self._ragged_nested_groups() if recurse else self._ragged_own_groups():
-            if not group.is_root:
-                group.reshard_after_forward = reshard_after_forward
+            group.reshard_after_forward = reshard_after_forward  # the root's matters under no_grad only
 
     def set_modules_to_forward_prefetch(self, modules: Iterable[nn.Module]) -> None:
         """All-gather these sharded modules' groups as soon as this module's forward starts."""

@@ -200,3 +200,15 @@ class ShardGroup:
         self.use_sharded()
         self.end_backward()
         self.members_to_run.clear()
+
+
+class UnshardHandle:
+    """Returned by ``module.unshard(async_op=True)``: ``wait()`` finishes the all-gathers and points the modules at
+    the full parameters (FSDP2's handle), as ``unshard()`` does."""
+
+    def __init__(self, groups: list[ShardGroup]) -> None:
+        self._groups = groups
+
+    def wait(self) -> None:
+        for group in self._groups:
+            group.use_unsharded()

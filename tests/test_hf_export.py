@@ -67,8 +67,17 @@ def _train_and_save(root: str, tied: bool) -> dict | None:
     hf_model = sharded.model if tied else sharded
     assert isinstance(hf_model, LlamaForCausalLM)
     hf_model.save_pretrained(f"{root}/pretrained")  # the live sharded model: gathered to rank 0, written there
+    everywhere = full_state_dict(hf_model)  # accelerate's idiom: the full state dict, then rank 0 alone writes it
+    refused = None
+    if rank == 0:
+        hf_model.save_pretrained(f"{root}/given", state_dict=everywhere)  # before: refused, rank 1 left waiting
+        try:
+            hf_model.save_pretrained(f"{root}/shards", state_dict=hf_model.state_dict())
+        except ValueError as error:
+            refused = str(error)
+    dist.barrier()
     full = full_state_dict(hf_model, cpu_offload=True, rank0_only=True)
-    return {k: v.clone() for k, v in full.items()} if rank == 0 else None
+    return {"full": {k: v.clone() for k, v in full.items()}, "refused": refused} if rank == 0 else None
 
 
 @pytest.fixture(scope="module")
@@ -76,9 +85,9 @@ def trained(dist_pool, tmp_path_factory) -> dict:
     runs = {}
     for tied in (False, True):
         root = tmp_path_factory.mktemp(f"hf_tied{int(tied)}")
-        full = dist_pool(2).run(_train_and_save, str(root), tied)[0]
+        result = dist_pool(2).run(_train_and_save, str(root), tied)[0]
         _config(tied).save_pretrained(root / "config")
-        runs[tied] = dict(root=root, full=full)
+        runs[tied] = dict(root=root, full=result["full"], refused=result["refused"])
     return runs
 
 
@@ -169,6 +178,15 @@ def test_save_pretrained_of_a_sharded_model_gives_the_trained_logits(trained, ti
     run = trained[tied]
     model, _ = _from_pretrained(run["root"] / "pretrained")
     assert (_logits(model) - _reference_logits(run, tied)).abs().max().item() <= 1e-6
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_save_pretrained_on_rank_0_with_a_full_state_dict_writes_it(trained, tied) -> None:
+    run = trained[tied]
+    model, _ = _from_pretrained(run["root"] / "given")
+    assert (_logits(model) - _reference_logits(run, tied)).abs().max().item() <= 1e-6
+    assert "this rank's shard" in run["refused"] and "full_state_dict" in run["refused"], run["refused"]
+    assert not (run["root"] / "shards").exists()
 
 
 def test_hf_export_refuses_a_wrong_prefix_and_bad_options(trained, tmp_path, capsys) -> None:

@@ -350,15 +350,24 @@ def _subclass(cls: type, fsdp: bool) -> type:
 def _sharded_save_pretrained(self: nn.Module, save_directory: Any, *args: Any, **kwargs: Any) -> None:
     """``save_pretrained`` of a sharded ``transformers`` model: full tensors, not each rank's 1-D shards.
 
-    Collective (every rank calls it, as FSDP2 users call it under torch's ``StateDictOptions``):
-    the full state dict is gathered one DBuffer at a time to rank 0's CPU, and rank 0 alone
-    writes it through the model class's own ``save_pretrained``.
+    Without ``state_dict``: collective (every rank calls it, as FSDP2 users call it under torch's
+    ``StateDictOptions``): the full state dict is gathered one DBuffer at a time to rank 0's CPU, and rank 0
+    alone writes it through the model class's own ``save_pretrained``. With a full ``state_dict`` (the
+    accelerate idiom: gathered before, then ``save_pretrained`` on rank 0 or with ``is_main_process``) it is
+    written as given, no collective; one holding a shard is refused, naming it.
     """
-    if "state_dict" in kwargs:
-        raise ValueError(
-            "save_pretrained(state_dict=...) on a model sharded by lightning_ragged.fully_shard: the full state dict "
-            "is gathered from the shards; drop state_dict (or call it on an unsharded copy)"
-        )
+    if kwargs.get("state_dict") is not None:
+        shapes = {name: tuple(p.ragged_shard.global_shape) if hasattr(p, "ragged_shard") else tuple(p.shape)
+                  for name, p in self.named_parameters()}
+        for name, value in kwargs["state_dict"].items():
+            if isinstance(value, StateShard) or name in shapes and tuple(getattr(value, "shape", ())) != shapes[name]:
+                raise ValueError(
+                    f"save_pretrained(state_dict=...): {name!r} is this rank's shard, not the model's {shapes.get(name)} "
+                    "tensor: pass full tensors (lightning_ragged.full_state_dict(model), called on every rank) or drop "
+                    "state_dict and call save_pretrained on every rank"
+                )
+        type(self)._ragged_original.save_pretrained(self, save_directory, *args, **kwargs)
+        return
     full = full_state_dict(self, cpu_offload=True, rank0_only=True)
     if dist.get_rank() == 0:
         type(self)._ragged_original.save_pretrained(self, save_directory, *args, state_dict=full, **kwargs)

@@ -132,9 +132,29 @@ def run(results: dict) -> None:
     trainer.fit(backbone, token_loader(4 * 2 * BATCH, BATCH))
     results["backbone_weights"] = {k: v.tolist() for k, v in full_params(backbone).items()}
     results["backbone_param_groups"] = len(trainer.optimizers[0].param_groups)
+    groups = [None] * dist.get_world_size()  # every rank's parameters per group: the same on all
+    dist.all_gather_object(groups, [len(group["params"]) for group in trainer.optimizers[0].param_groups])
+    results["backbone_group_sizes"] = groups
+    results["backbone_saved_groups"] = _finetuning(trainer).state_dict()["internal_optimizer_metadata"][0]
+    # ... and resumed from a checkpoint taken after the unfreeze (end of epoch 1) for one more epoch
+    path = os.path.join(root, "unfrozen")
+    for epochs, ckpt_path in ((2, None), (3, path)):
+        L.seed_everything(0, verbose=False)
+        resumed = LitBackbone()
+        trainer = cpu_trainer(RaggedFSDPStrategy(), 2, -1, max_epochs=epochs, enable_checkpointing=False,
+                              callbacks=[BackboneFinetuning(unfreeze_backbone_at_epoch=1)])
+        trainer.fit(resumed, token_loader(4 * 2 * BATCH, BATCH), ckpt_path=ckpt_path)
+        if ckpt_path is None:
+            trainer.save_checkpoint(path)
+    results["backbone_resumed_weights"] = {k: v.tolist() for k, v in full_params(resumed).items()}
+    results["backbone_resumed_restarting"] = _finetuning(trainer)._restarting
     dist.barrier()
     if rank == 0:
         shutil.rmtree(root, ignore_errors=True)
+
+
+def _finetuning(trainer: L.Trainer) -> BackboneFinetuning:
+    return next(callback for callback in trainer.callbacks if isinstance(callback, BackboneFinetuning))
 
 
 def _trained_weights(trainer: L.Trainer) -> L.LightningModule:

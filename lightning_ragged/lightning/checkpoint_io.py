@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
@@ -113,7 +113,10 @@ class LightningCheckpointIO:
         fitting: bool,
         strict: bool = True,
         weights_only: bool | None = None,
+        before_optimizers: Callable[[dict[str, Any]], None] | None = None,
     ) -> dict[str, Any]:
+        """Load the model's and the optimizers' states in place; return the rest for Lightning.
+        ``before_optimizers(rest)`` runs before the optimizer states load (fitting only)."""
         self.writer.wait()
         path = Path(path)
         trust = {"trust_checkpoint": self.trust_checkpoint, "verify_checksums": self.verify_checksums}
@@ -159,6 +162,8 @@ class LightningCheckpointIO:
                     f"{len(optimizers)} optimizer(s)"
                 )
             else:
+                if before_optimizers is not None:
+                    before_optimizers(rest)
                 load_optimizers()
         return rest
 

@@ -56,6 +56,7 @@ from lightning_ragged.engine.torch_state_dict import hook_optimizer
 from lightning_ragged.lightning.preemption import attach as attach_slurm_requeue
 from lightning_ragged.lightning.sigterm import attach as attach_sigterm
 from lightning_ragged.lightning.elastic import resume_from_rank_zero
+from lightning_ragged.lightning.finetuning import compare_shards_by_identity, restore_finetuning_groups
 from lightning_ragged.lightning.model_summary import use_global_parameter_counts
 from lightning_ragged.lightning.parallel import RaggedParallel
 from lightning_ragged.lightning.precision import to_ragged_precision
@@ -345,6 +346,7 @@ class RaggedFSDPStrategy(RaggedParallel, ParallelStrategy):
         self.out_of_step = False
         add_exception_agreement(trainer, self._timeout)  # no collective save while one rank raised alone
         use_global_parameter_counts(trainer)  # ModelSummary counts unsharded parameters, not this rank's shards
+        compare_shards_by_identity()  # BaseFinetuning: "already in the optimizer?" by identity, not shard values
         refuse_unsupported_callbacks(trainer)
         assert self.model is not None
         assert self.accelerator is not None
@@ -545,6 +547,7 @@ class RaggedFSDPStrategy(RaggedParallel, ParallelStrategy):
             fitting=fitting,
             strict=self.lightning_module.strict_loading,
             weights_only=weights_only,
+            before_optimizers=lambda rest: restore_finetuning_groups(trainer, self.lightning_module, rest),
         )
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:

@@ -56,6 +56,7 @@ from lightning_ragged.engine.torch_state_dict import hook_optimizer
 from lightning_ragged.lightning.preemption import attach as attach_slurm_requeue
 from lightning_ragged.lightning.sigterm import attach as attach_sigterm
 from lightning_ragged.lightning.elastic import resume_from_rank_zero
+from lightning_ragged.lightning.batch_counts import check_same_batch_counts
 from lightning_ragged.lightning.finetuning import compare_shards_by_identity, restore_finetuning_groups
 from lightning_ragged.lightning.model_summary import use_global_parameter_counts
 from lightning_ragged.lightning.parallel import RaggedParallel
@@ -549,6 +550,23 @@ class RaggedFSDPStrategy(RaggedParallel, ParallelStrategy):
             weights_only=weights_only,
             before_optimizers=lambda rest: restore_finetuning_groups(trainer, self.lightning_module, rest),
         )
+
+    # ---------------------------------------------------------------- loops
+    def on_train_start(self) -> None:
+        check_same_batch_counts("training", [self.lightning_module.trainer.num_training_batches])
+
+    def on_validation_start(self) -> None:
+        trainer = self.lightning_module.trainer
+        if trainer.sanity_checking:
+            check_same_batch_counts("sanity-check", trainer.num_sanity_val_batches)
+        else:
+            check_same_batch_counts("validation", trainer.num_val_batches)
+
+    def on_test_start(self) -> None:
+        check_same_batch_counts("test", self.lightning_module.trainer.num_test_batches)
+
+    def on_predict_start(self) -> None:
+        check_same_batch_counts("prediction", self.lightning_module.trainer.num_predict_batches)
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         """A no-op after ``load_checkpoint`` (it loaded the shards); else a full state dict is sliced in."""

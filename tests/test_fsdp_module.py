@@ -684,7 +684,7 @@ def test_a_cpu_model_moves_to_the_accelerator_of_its_backend_as_fsdp2(dist_pool)
     assert all(b.is_meta for b in model.buffers())
 
 
-@pytest.mark.parametrize("forwards", ["eval-before-step", "kept-after-backward"])
+@pytest.mark.parametrize("forwards", ["eval-before-step", "eval-before-step-fused", "kept-after-backward"])
 def test_full_parameters_kept_across_an_optimizer_step_are_gathered_again(dist_pool, forwards):
     # reshard_after_forward=False keeps full parameters through a no-grad forward (FSDP2's rule); kept across the
     # optimizer step they would be the old values (FSDP2 computes with them): the shards' version says so

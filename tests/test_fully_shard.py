@@ -50,7 +50,8 @@ def check_training_matches_single_process(
     ``forwards="two"``: each step's loss sums two forwards (the local batch's halves) before one
     backward; ``"discarded"``: a forward with gradients enabled whose graph is dropped precedes it;
     ``"raised-first"``: a forward that raises in the second block comes before the optimizer is built;
-    ``"eval-before-step"``: a no-grad forward between backward and the optimizer step; ``"kept-after-backward"``:
+    ``"eval-before-step"``: a no-grad forward between backward and the optimizer step (``"...-fused"``: with
+    ``AdamW(fused=True)``, whose kernel moves no version counter); ``"kept-after-backward"``:
     ``set_reshard_after_backward(False)`` for the whole run (full parameters kept across every step).
     """
     data = make_batches(STEPS, batch)
@@ -67,7 +68,7 @@ def check_training_matches_single_process(
         assert all(shards), shards
     if forwards == "kept-after-backward":
         model.set_reshard_after_backward(False)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=forwards.endswith("fused") or None)
     state = lr.get_state(model)
     reduces_per_step = []
     for step in range(STEPS):
@@ -97,7 +98,7 @@ def check_training_matches_single_process(
                 lm_loss(model, local[:1])  # its graph dies unused; the next forward must not wait for its backward
             lm_loss(model, local).backward()
         reduces_per_step.append(state.stats.reduces - before)
-        if forwards == "eval-before-step":
+        if forwards.startswith("eval-before-step"):
             with torch.no_grad():
                 model(local[:, :-1])  # e.g. a metric on the batch before stepping
         opt.step()

@@ -338,6 +338,7 @@ def _generation_gathers() -> dict:
         with torch.no_grad():
             same = torch.equal(model.generate(prompt, **kwargs), expected)
         result[variant] = (state.stats.all_gathers - before, same)
+        result[f"{variant}_shards_at_rest"] = all(hasattr(p, "ragged_shard") for p in model.parameters())
     result["dbuffers"] = len(list(state.dbuffers()))
     return result
 
@@ -350,6 +351,7 @@ def test_generate_gathers_each_buffer_once_per_forward_or_keeps_it(dist_pool) ->
         assert result["default"] == (6 * per_forward, True), result
         assert result["kept"] == (per_forward, True), result
         assert result["unsharded_first"] == (0, True), result
+        assert all(result[f"{variant}_shards_at_rest"] for variant in ("default", "kept", "unsharded_first")), result
 
 
 def _rank_local_generation(impl: str) -> dict:

@@ -126,8 +126,8 @@ def test_backbone_finetuning_unfreezes_into_a_new_param_group_like_one_process(m
     for epochs, start in ((2, 0), (3, 2)):
         L.seed_everything(0, verbose=False)
         model = LitBackbone()
-        trainer = cpu_trainer("auto", 1, -1, max_epochs=epochs, callbacks=[BackboneFinetuning(unfreeze_backbone_at_epoch=1)],
-                              enable_checkpointing=False, use_distributed_sampler=False)
+        trainer = cpu_trainer("auto", 1, -1, max_epochs=epochs, enable_checkpointing=False,
+                              callbacks=[BackboneFinetuning(unfreeze_backbone_at_epoch=1)], use_distributed_sampler=False)
         batches = _GlobalBatches(dataset, BATCH)
         batches.epoch = start
         trainer.fit(model, DataLoader(dataset, batch_sampler=batches), ckpt_path=path if start else None)

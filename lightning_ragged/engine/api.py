@@ -291,7 +291,6 @@ def fully_shard(
     state = RaggedFSDPState(target, _in_module_order(target, adopted + new_groups), stats)
     state.called_on = listed or [module]
     state.buffer_sync = BufferSync(target, process_group, replicate_group) if broadcast_buffers else None
-    state.buffers_need_sync = not sync_module_states or any(b.is_meta for b in target.buffers())  # else just sent
     state.keep_last_unsharded = keep_last_unsharded
     state.auto_plan = auto
     state.max_inflight_all_gathers = max_inflight_all_gathers

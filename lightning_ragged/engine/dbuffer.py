@@ -100,20 +100,22 @@ class DBuffer:
         self.segment = slice(self.rank * segment, (self.rank + 1) * segment)
 
         self.sharded = torch.zeros(segment, dtype=self.master_dtype, device=self.device)
-        self._grad_placeholders = {  # freed gradient buffers, one per dtype (no_sync: the reduce dtype)
+        self._grad_placeholders = {
             dtype: torch.empty(self.world_size * segment, dtype=dtype, device=self.device)
             for dtype in (self.grad_dtype, self.reduce_dtype)
         }
+        """Freed gradient buffers, one per dtype (``no_sync``: the reduce dtype); storage at allocation."""
         self.unsharded_grad = self._grad_placeholders[self.grad_dtype]
         self._shapes = {name: param.shape for name, param in params}
-        self._land_by_copy = self.reduce_dtype != self.param_dtype  # gradients land by a copy (or a cast: narrower)
-        self._landed: set[str] = set()  # gradients in the buffer since it was allocated (``_land_by_copy`` only)
+        self._land_by_copy = self.reduce_dtype != self.param_dtype
+        """Gradients land in the buffer by a copy (in the compute dtype, or cast: the narrower one)."""
+        self._landed: set[str] = set()
+        """Parameters whose gradient is in the buffer since it was allocated (``_land_by_copy`` only)."""
         self._padding = storage.padding(layout, self.world_size * segment)
         self._used: set[str] = set()
         self._partial: torch.Tensor | None = None  # the part kept by ``partial_reshard``, until gathered
         self.partial_reshard: PartialReshard | None = None  # reshard_after_forward=int: its smaller gather group
         self._gathered = False  # full_is_shard only: the module computes with the full views now
-        self._gathered_version = -1  # the shards' version counter at the last gather: a kept full buffer is stale
 
         pieces = {name: (start, end, offset) for name, start, end, offset in layout.local_pieces(self.rank)}
         self.sharded_params: dict[str, nn.Parameter] = {}
@@ -188,11 +190,8 @@ class DBuffer:
 
     def unshard(self, async_op: bool = False) -> None:
         """All-gather every rank's segment straight into the unsharded buffer (the parameters' storage)."""
-        if self.is_unsharded and not (self.full_is_shard or self._gathered_version == self.sharded._version):
-            self.reshard()  # kept from before the shards changed (an optimizer step): gathered again, never stale
         if self.is_unsharded or self.unshard_pending:  # an fp8 gather allocates its buffer at the wait
             return
-        self._gathered_version = self.sharded._version
         if self.full_is_shard:  # the full views alias the shards: nothing to gather
             self._gathered = True
             return
@@ -288,7 +287,8 @@ class DBuffer:
         """Mirror the shards' ``requires_grad`` onto the full parameters; return those that just became trainable."""
         changed = []
         for name, sharded in self.sharded_params.items():
-            if (full := self.unsharded_params[name]).requires_grad != sharded.requires_grad:
+            full = self.unsharded_params[name]
+            if full.requires_grad != sharded.requires_grad:
                 full.requires_grad_(sharded.requires_grad)
                 if sharded.requires_grad:
                     changed.append((name, full))

@@ -358,13 +358,13 @@ def _sharded_save_pretrained(self: nn.Module, save_directory: Any, *args: Any, *
     """
     if kwargs.get("state_dict") is not None:
         shapes = {name: tuple(p.ragged_shard.global_shape) if hasattr(p, "ragged_shard") else tuple(p.shape)
-                  for name, p in self.named_parameters()}
+                  for name, p in self.named_parameters(remove_duplicate=False)}
         for name, value in kwargs["state_dict"].items():
             if isinstance(value, StateShard) or name in shapes and tuple(getattr(value, "shape", ())) != shapes[name]:
                 raise ValueError(
-                    f"save_pretrained(state_dict=...): {name!r} is this rank's shard, not the model's {shapes.get(name)} "
-                    "tensor: pass full tensors (lightning_ragged.full_state_dict(model), called on every rank) or drop "
-                    "state_dict and call save_pretrained on every rank"
+                    f"save_pretrained(state_dict=...): {name!r} is this rank's shard, not the model's "
+                    f"{shapes.get(name)} tensor: pass full tensors (lightning_ragged.full_state_dict(model), called "
+                    "on every rank) or drop state_dict and call save_pretrained on every rank"
                 )
         type(self)._ragged_original.save_pretrained(self, save_directory, *args, **kwargs)
         return

@@ -65,16 +65,15 @@ class RaggedFSDPState:
         """Groups in the order the current (or last) forward ran them."""
         self._previous_order: list[ShardGroup] = []
         self._root_depth, self._training_forward, self._in_backward, self.carry_frozen = 0, False, False, False
-        self._root_ran = False  # the root group's pre-forward ran in this root forward (any later call: a module using it)
+        self._root_ran = False  # the root group's pre-forward ran in this root forward (later: a module using it)
         self._in_flight: list[DBuffer] = []
         self._reduced: list[DBuffer] = []
         self._hooked: set[int] = set()
         self.handles: list[Any] = []  # hook handles, removed when a parent ``fully_shard`` call adopts these groups
         self.auto_plan: Any = None
         """``planning="auto"``: the ``layout.auto.AutoPlan`` that chose the groups, for reports."""
-        self.buffer_sync: Any = None
-        """``broadcast_buffers=True``: a ``state_sync.BufferSync`` run before root forwards (DDP's rule)."""
-        self.buffers_need_sync = True  # DDP's require_forward_param_sync (fully_shard: False if it just sent them)
+        self.buffer_sync: Any = None  # broadcast_buffers=True: a state_sync.BufferSync (run by _sync_buffers)
+        self._buffers_need_sync = True  # DDP's require_forward_param_sync (true for the first forward too)
         self._end_of_backward_hook = eager(self._end_of_backward, backward=True)
         first = next(self.dbuffers(), None)
         self.comm_streams: CommStreams = device_streams(first.device if first is not None else None)
@@ -149,12 +148,14 @@ class RaggedFSDPState:
                 group.members_to_run.clear()
                 group.reshard()
         if self._root_depth == 0:
-            self.buffers_need_sync = torch.is_grad_enabled() and any(self.syncs(g) for g in self.all_groups)
-        if self._root_depth == 0:
+            self._buffers_need_sync = torch.is_grad_enabled() and any(self.syncs(g) for g in self.all_groups)
             self._root_ran = False
         if self._root_depth == 0 and not torch.is_grad_enabled():  # evaluation: no backward will follow
-            for group in self.all_groups:  # reshard_after_forward=False keeps them, as FSDP2 (generation)
-                group.wait_unshard() if group.reshard_after_forward is False else group.reshard_after_backward_step()
+            for group in self.all_groups:
+                if group.reshard_after_forward is False:  # kept for the next forward (generation), as FSDP2
+                    group.set_aside()
+                else:
+                    group.reshard_after_backward_step()
 
     def _begin_step(self) -> None:
         """Recover from a backward that raised, release what a backward-less forward kept,
@@ -174,7 +175,7 @@ class RaggedFSDPState:
                     group.reshard()
                 group.end_backward()
         self._previous_order, self.forward_order = self.forward_order or self._previous_order, []
-        self._sync_buffers()  # no backward ran since a synchronized training forward
+        self._sync_buffers()
 
     def recover(self) -> None:
         """The last forward or backward raised: free what it allocated; the next step trains exactly.
@@ -208,8 +209,9 @@ class RaggedFSDPState:
     def pre_forward(self, group: ShardGroup, args: tuple, kwargs: dict, cast: bool = True) -> tuple[tuple, dict]:
         if not self._in_backward:
             self._mirror_requires_grad(group)
-            if group.is_root and group.is_unsharded and (group.forward_calls or (self._root_ran and not torch.is_grad_enabled())):
-                return self._cast_inputs(group, args, kwargs, cast)  # another module using a root parameter
+            again = group.forward_calls or (self._root_ran and not torch.is_grad_enabled())
+            if group.is_root and group.is_unsharded and again:  # another module using a root parameter
+                return self._cast_inputs(group, args, kwargs, cast)
             self._root_ran = self._root_ran or (group.is_root and self._root_depth > 0)
             if not group.is_root and group not in self.forward_order:
                 self.forward_order.append(group)
@@ -232,8 +234,7 @@ class RaggedFSDPState:
             self.hook_backward(group, output)
         if not (self._in_backward or group.is_root or group.held_through_forward):  # the root: kept for backward
             if not torch.is_grad_enabled():
-                if group.reshard_after_forward is not False:
-                    group.reshard()
+                group.reshard() if group.reshard_after_forward is not False else group.set_aside()
             elif not (self.keep_last_unsharded and self._previous_order and group is self._previous_order[-1]):
                 group.reshard_after_forward_step()
         return _cast_outputs(group, output)
@@ -372,17 +373,17 @@ class RaggedFSDPState:
         for group in self.all_groups:  # a forward in a hook (a metric) gathered these before the hooks stepped
             if group not in gathered and (group.is_unsharded or group.unshard_pending):
                 group.reshard()
-        self._sync_buffers()
 
     def _sync_buffers(self) -> None:
-        """DDP's ``broadcast_buffers`` after a synchronized training forward: at its backward's end, where every rank
-        is (a later forward on one rank alone issues nothing), or at the next root forward if no backward ran."""
-        if self.buffer_sync is not None and self.buffers_need_sync:
+        """DDP's ``broadcast_buffers`` at the next root forward, or sooner at an ``unshard()`` (on every rank): a forward
+        on one rank alone after it (FSDP2's generation idiom) issues nothing; the same values (set in forward)."""
+        if self.buffer_sync is not None and self._buffers_need_sync:
             self.buffer_sync.broadcast()
-        self.buffers_need_sync = False
+        self._buffers_need_sync = False
 
     # ----------------------------------------------------------------- public
     def unshard(self, groups: list[ShardGroup], async_op: bool = False) -> UnshardHandle:
+        self._sync_buffers()
         for group in groups:
             group.unshard(async_op=async_op)
         return UnshardHandle(groups)

@@ -34,8 +34,17 @@ from typing import Any
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-_KEPT: "weakref.WeakSet[KeptWhileUnchanged]" = weakref.WeakSet()
+_KEPT: "weakref.WeakSet[Any]" = weakref.WeakSet()
 _hooks: list[Any] = []
+
+
+def drop_at_optimizer_steps(kept: Any) -> None:
+    """Call ``kept.drop()`` before and after every ``torch.optim`` step, for as long as ``kept`` lives: what it
+    holds was made from shards a step may change without moving their version (the rule above)."""
+    _KEPT.add(kept)
+    if not _hooks:
+        _hooks.append(register_optimizer_step_pre_hook(_drop_all))
+        _hooks.append(register_optimizer_step_post_hook(_drop_all))
 
 
 class KeptWhileUnchanged:
@@ -49,10 +58,7 @@ class KeptWhileUnchanged:
         self._kept: torch.Tensor | None = None
         self._version = -1
         if keep:
-            _KEPT.add(self)
-            if not _hooks:
-                _hooks.append(register_optimizer_step_pre_hook(_drop_all))
-                _hooks.append(register_optimizer_step_post_hook(_drop_all))
+            drop_at_optimizer_steps(self)
 
     def _make(self, sharded: torch.Tensor) -> torch.Tensor:
         """A new value of ``sharded`` (each subclass's: a cast, a quantization)."""

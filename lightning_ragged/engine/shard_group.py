@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from lightning_ragged.engine.dbuffer import DBuffer
+from lightning_ragged.engine.shard_cast import drop_at_optimizer_steps
 from lightning_ragged.engine.grouping import needs_params_in_backward
 
 
@@ -43,6 +44,9 @@ class ShardGroup:
         self.module = module
         self.members: list[nn.Module] = members or [module]
         self.dbuffers = dbuffers
+        self._gathered_versions = [-1] * len(dbuffers)
+        """Each DBuffer's shards' version at its last gather; -1 after an optimizer step (fused kernels move none)."""
+        drop_at_optimizer_steps(self)
         self.slots = slots
         self.is_root = is_root
         self.reshard_after_forward: bool | int = reshard_after_forward
@@ -122,8 +126,16 @@ class ShardGroup:
 
     # ------------------------------------------------------------ parameters
     def unshard(self, async_op: bool = False) -> None:
-        for dbuffer in self.dbuffers:
+        """All-gather each DBuffer; full parameters (or a part) kept from before their shards changed (an optimizer
+        step, a load) are gathered again, never used stale (FSDP2 would compute with them)."""
+        for index, dbuffer in enumerate(self.dbuffers):
+            if self._gathered_versions[index] != dbuffer.sharded._version and not dbuffer.full_is_shard:
+                dbuffer.reshard()
             dbuffer.unshard(async_op=async_op)
+            self._gathered_versions[index] = dbuffer.sharded._version
+
+    def drop(self) -> None:
+        self._gathered_versions = [-1] * len(self.dbuffers)
 
     def wait_unshard(self) -> None:
         for dbuffer in self.dbuffers:
@@ -159,6 +171,12 @@ class ShardGroup:
             return
         for dbuffer in self.dbuffers:
             dbuffer.reshard_to_partial()
+        self.use_sharded()
+
+    def set_aside(self) -> None:
+        """Keep the full parameters (the gather finished) for a later forward; the modules hold the shards
+        meanwhile, so ``model.parameters()`` (an optimizer, gradient clipping) sees the shards."""
+        self.wait_unshard()
         self.use_sharded()
 
     def use_sharded(self) -> None:

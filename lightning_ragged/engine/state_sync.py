@@ -16,11 +16,12 @@ the engine does the same, once and flat per DBuffer (``sync_module_states=True``
 
 A model on the meta device is skipped: it is materialized from a seed shared by all ranks.
 
-``broadcast_buffers=True`` (DDP's default) also broadcasts the buffers from rank 0 after a root
-forward that trains and synchronizes gradients, at the end of its backward (every rank is there;
-DDP does it before the next forward, with the same values), or before the next root forward when
-no backward ran; so ``no_sync`` micro-batches, evaluation forwards and a forward on one rank alone
-issue nothing. A model without buffers never issues a collective.
+``broadcast_buffers=True`` (DDP's default) also broadcasts the buffers from rank 0 before a
+root forward, with DDP's rule: when the previous root forward was a training forward that
+synchronizes gradients (or none ran yet), so ``no_sync`` micro-batches and repeated
+evaluation forwards issue nothing; an explicit ``unshard()`` (every rank calls it) broadcasts
+what is due then, so a forward on one rank alone after it issues nothing. A model without
+buffers never issues a collective.
 """
 
 from __future__ import annotations

@@ -116,7 +116,7 @@ class LightningCheckpointIO:
         before_optimizers: Callable[[dict[str, Any]], None] | None = None,
     ) -> dict[str, Any]:
         """Load the model's and the optimizers' states in place; return the rest for Lightning.
-        ``before_optimizers(rest)`` runs before the optimizer states load (fitting only)."""
+        ``before_optimizers(rest)`` runs where the optimizer states load (fitting, also when the file has none)."""
         self.writer.wait()
         path = Path(path)
         trust = {"trust_checkpoint": self.trust_checkpoint, "verify_checksums": self.verify_checksums}
@@ -149,6 +149,8 @@ class LightningCheckpointIO:
             # WeightAveraging's on_load_checkpoint reads the average from "state_dict": the shards just loaded
             rest["state_dict"] = module.state_dict()
         if fitting and optimizers:
+            if before_optimizers is not None:
+                before_optimizers(rest)
             if optimizer_count == 0:
                 rank_zero_warn(
                     f"{path} was saved with weights only (e.g. ModelCheckpoint(save_weights_only=True)): the model "
@@ -162,8 +164,6 @@ class LightningCheckpointIO:
                     f"{len(optimizers)} optimizer(s)"
                 )
             else:
-                if before_optimizers is not None:
-                    before_optimizers(rest)
                 load_optimizers()
         return rest
 

@@ -37,7 +37,7 @@ def _filter_on_optimizer(optimizer: torch.optim.Optimizer, params: Iterable) -> 
     kept = [p for p in params if id(p) not in present]
     if len(kept) < len(params):
         rank_zero_warn("The provided params to be frozen already exist within another group of this optimizer. "
-                       "Those parameters will be skipped.")  # Lightning's own warning
+                       "Those parameters will be skipped.")  # Lightning's warning, less its hint
     return kept
 
 
@@ -56,4 +56,4 @@ def restore_finetuning_groups(trainer: "pl.Trainer", module: "pl.LightningModule
             key = callback.state_key if callback.state_key in saved else callback._legacy_state_key
             if saved.get(key):
                 callback.load_state_dict(saved.pop(key))
-                callback.on_fit_start(trainer, module)
+                BaseFinetuning.on_fit_start(callback, trainer, module)  # the rebuild only, not a subclass's extras

@@ -24,6 +24,7 @@ asynchronous saving. See docs/checkpoints.md.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
@@ -553,20 +554,22 @@ class RaggedFSDPStrategy(RaggedParallel, ParallelStrategy):
 
     # ---------------------------------------------------------------- loops
     def on_train_start(self) -> None:
-        check_same_batch_counts("training", [self.lightning_module.trainer.num_training_batches])
+        trainer = self.lightning_module.trainer  # max_steps within an epoch stops every rank at the same batch
+        left = (trainer.max_steps - trainer.global_step) * trainer.accumulate_grad_batches
+        check_same_batch_counts("training", [min(trainer.num_training_batches, left if left >= 0 else math.inf)])
 
-    def on_validation_start(self) -> None:
+    def on_validation_start(self) -> None:  # evaluation gathers inside the shard group only (HSDP: not the replicas)
         trainer = self.lightning_module.trainer
         if trainer.sanity_checking:
-            check_same_batch_counts("sanity-check", trainer.num_sanity_val_batches)
+            check_same_batch_counts("sanity-check", trainer.num_sanity_val_batches, self._shard_group)
         else:
-            check_same_batch_counts("validation", trainer.num_val_batches)
+            check_same_batch_counts("validation", trainer.num_val_batches, self._shard_group)
 
     def on_test_start(self) -> None:
-        check_same_batch_counts("test", self.lightning_module.trainer.num_test_batches)
+        check_same_batch_counts("test", self.lightning_module.trainer.num_test_batches, self._shard_group)
 
     def on_predict_start(self) -> None:
-        check_same_batch_counts("prediction", self.lightning_module.trainer.num_predict_batches)
+        check_same_batch_counts("prediction", self.lightning_module.trainer.num_predict_batches, self._shard_group)
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         """A no-op after ``load_checkpoint`` (it loaded the shards); else a full state dict is sliced in."""

@@ -79,7 +79,7 @@ def install_hooks(state: RaggedFSDPState) -> None:
             _hook_members(state, group)
         for dbuffer, name, param in group.unsharded_params():
             if param.requires_grad:
-                state.hook_grad(dbuffer, name, param)
+                state.hook_grad(group, dbuffer, name, param)
 
 
 def _hook_members(state: RaggedFSDPState, group: ShardGroup) -> None:

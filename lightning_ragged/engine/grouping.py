@@ -268,17 +268,21 @@ def plan_groups(
                        prefixes=[n for n, _ in members])
         for members in choose_group_modules(root, group_modules, dbuffer_size, blocks_per_group)
     ]
+    by_prefix = {prefix: plan for plan in groups for prefix in plan.prefixes}
     groups.append(ParamGroupPlan("root", None))
     slots = parameter_slots(root)
     for index, (param_name, param) in enumerate(root.named_parameters()):
-        owners = [module_name for module_name, _, _ in slots[id(param)]]
-        target, depth = groups[-1], -1
-        for plan in groups[:-1]:
-            for prefix in plan.prefixes:
-                if all(owner == prefix or owner.startswith(prefix + ".") for owner in owners) and len(prefix) > depth:
-                    target, depth = plan, len(prefix)
-        target.add(index, param_name, param)
+        # the deepest group prefix that is every owner's module or one of its ancestors (O(depth) per owner)
+        common = set.intersection(*(_ancestors(module_name) for module_name, _, _ in slots[id(param)]))
+        hits = [prefix for prefix in common if prefix in by_prefix]
+        (by_prefix[max(hits, key=len)] if hits else groups[-1]).add(index, param_name, param)
     return [plan for plan in groups if plan.runs or plan.module is None]
+
+
+def _ancestors(module_name: str) -> set[str]:
+    """``"a.b.c"`` -> ``{"a", "a.b", "a.b.c"}``: the names of a module and of the modules that contain it."""
+    parts = module_name.split(".")
+    return {".".join(parts[:end]) for end in range(1, len(parts) + 1)}
 
 
 def split_into_dbuffers(

@@ -40,6 +40,7 @@ from lightning_ragged.engine import collectives
 from lightning_ragged.engine.collectives import CommStats
 from lightning_ragged.engine.containers import map_tensors, replace_tensors_requiring_grad, tensors_requiring_grad
 from lightning_ragged.engine.dbuffer import DBuffer
+from lightning_ragged.engine.forward_order import ForwardOrder
 from lightning_ragged.engine.reentrant_calls import in_reentrant_checkpoint
 from lightning_ragged.engine.shard_group import ShardGroup, UnshardHandle
 from lightning_ragged.engine.unused_grads import settle_unused
@@ -61,13 +62,13 @@ class RaggedFSDPState:
         self.keep_last_unsharded = False
         """Keep the group the last forward ran last unsharded until its backward, the first to need it."""
         self.max_inflight_all_gathers = 1  # groups all-gathered ahead of the running one (from the recorded order)
-        self.forward_order: list[ShardGroup] = []
+        self.forward_order: ForwardOrder[ShardGroup] = ForwardOrder()
         """Groups in the order the current (or last) forward ran them."""
-        self._previous_order: list[ShardGroup] = []
+        self._previous_order: ForwardOrder[ShardGroup] = ForwardOrder()
         self._root_depth, self._training_forward, self._in_backward, self.carry_frozen = 0, False, False, False
         self._root_ran = False  # the root group's pre-forward ran in this root forward (later: a module using it)
         self._in_flight: list[DBuffer] = []
-        self._reduced: list[DBuffer] = []
+        self._reduced: dict[DBuffer, None] = {}  # in reduction order
         self._hooked: set[int] = set()
         self.handles: list[Any] = []  # hook handles, removed when a parent ``fully_shard`` call adopts these groups
         self.auto_plan: Any = None
@@ -174,7 +175,7 @@ class RaggedFSDPState:
                 if group.reshard_after_backward:
                     group.reshard()
                 group.end_backward()
-        self._previous_order, self.forward_order = self.forward_order or self._previous_order, []
+        self._previous_order, self.forward_order = self.forward_order or self._previous_order, ForwardOrder()
         self._sync_buffers()
 
     def recover(self) -> None:
@@ -189,12 +190,11 @@ class RaggedFSDPState:
         self._reduced.clear()
         self._in_backward = False
 
-    def hook_grad(self, dbuffer: DBuffer, name: str, param: nn.Parameter) -> None:
-        """Tell the runtime when autograd finished ``param``'s gradient (once per parameter)."""
+    def hook_grad(self, group: ShardGroup, dbuffer: DBuffer, name: str, param: nn.Parameter) -> None:
+        """Tell the runtime when autograd finished ``param``'s gradient (``group``'s ``dbuffer``; once per parameter)."""
         if id(param) in self._hooked:
             return
         self._hooked.add(id(param))
-        group = next(g for g in self.all_groups if dbuffer in g.dbuffers)
         hook = eager(lambda _p: self.grad_arrived(group, dbuffer, name), backward=True)
         self.handles.append(param.register_post_accumulate_grad_hook(hook))
 
@@ -204,7 +204,7 @@ class RaggedFSDPState:
         inside a step (Lightning's ``toggle_optimizer`` between two backwards) holds for the next forward."""
         for dbuffer in group.dbuffers:
             for name, param in dbuffer.sync_requires_grad():
-                self.hook_grad(dbuffer, name, param)
+                self.hook_grad(group, dbuffer, name, param)
 
     def pre_forward(self, group: ShardGroup, args: tuple, kwargs: dict, cast: bool = True) -> tuple[tuple, dict]:
         if not self._in_backward:
@@ -213,8 +213,8 @@ class RaggedFSDPState:
             if group.is_root and group.is_unsharded and again:  # another module using a root parameter
                 return self._cast_inputs(group, args, kwargs, cast)
             self._root_ran = self._root_ran or (group.is_root and self._root_depth > 0)
-            if not group.is_root and group not in self.forward_order:
-                self.forward_order.append(group)
+            if not group.is_root:
+                self.forward_order.record(group)
         group.use_unsharded()
         if self._in_backward:  # a recomputation (activation checkpointing) inside backward
             return self._cast_inputs(group, args, kwargs, cast)
@@ -264,15 +264,8 @@ class RaggedFSDPState:
         """
         targets = group.forward_prefetch if forward else group.backward_prefetch
         if targets is None:
-            order = self._previous_order if forward else self.forward_order[::-1]
-            ahead = self.max_inflight_all_gathers
-            if group.is_root:
-                targets = order[:ahead]
-            elif group in order:
-                index = order.index(group) + 1
-                targets = order[index : index + ahead]
-            else:
-                targets = []
+            at, ahead = None if group.is_root else group, self.max_inflight_all_gathers
+            targets = self._previous_order.next(at, ahead) if forward else self.forward_order.previous(at, ahead)
         for target in targets:
             if not target.backward_prepared and target is not group and (forward or target.unshard_in_backward):
                 target.unshard(async_op=True)
@@ -342,7 +335,7 @@ class RaggedFSDPState:
         dbuffer.carry_frozen = self.carry_frozen
         dbuffer.reduce_grad(async_op=True, all_reduce=all_reduce)
         self._in_flight.append(dbuffer)
-        self._reduced.append(dbuffer)
+        self._reduced[dbuffer] = None
 
     def _finish_in_flight(self) -> None:
         for dbuffer in self._in_flight:
@@ -365,9 +358,9 @@ class RaggedFSDPState:
             settle_unused(reduced, self.stats, self._finish_in_flight)
             self.carry_frozen = False
         self._finish_in_flight()
-        self._reduced = []
+        self._reduced = {}
         self._in_backward = False
-        gathered = [group for group in self.all_groups if group.is_unsharded]
+        gathered = {group for group in self.all_groups if group.is_unsharded}
         for dbuffer in reduced:  # the gradients are final: optimizer-in-backward hooks may step and zero them
             dbuffer.run_post_accumulate_grad_hooks()
         for group in self.all_groups:  # a forward in a hook (a metric) gathered these before the hooks stepped

@@ -130,6 +130,16 @@ def main_mode(results: dict) -> None:
         "sync_batchnorm": lambda: make_trainer("ragged_fsdp", 2, 2, sync_batchnorm=True).fit(
             with_batchnorm(LitTinyGPT()), token_loader(4 * BATCH, BATCH)),
     }
+
+    def swapped_head() -> None:  # a new head between two runs: unsharded, its gradients would never be averaged
+        head = ragged.model.head
+        ragged.model.head = torch.nn.Linear(head.in_features, head.out_features, bias=False)
+        try:
+            make_trainer("ragged_fsdp", 2, 2).fit(ragged, token_loader(4 * BATCH, BATCH))
+        finally:
+            ragged.model.head = head
+
+    refusals["reuse_swapped_head"] = swapped_head
     for name, run in refusals.items():
         try:
             run()

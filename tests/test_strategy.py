@@ -286,6 +286,8 @@ def test_runs_it_cannot_honour_are_refused_with_the_reason(main_run: dict) -> No
     reuse = main_run["refused_reuse_precision"]
     assert reuse and "sharded by an earlier Trainer run" in reuse
     assert "precision was '32-true', now 'bf16-true'" in reuse, reuse
+    swapped = main_run["refused_reuse_swapped_head"]  # the ranks' heads drifted apart silently before (sweep: 9.5e-2)
+    assert swapped and "parameters set since are not sharded (model.head.weight)" in swapped, swapped
     assert main_run["reuse_after_refusal_same_settings"]  # the module still serves a run with its own settings
     swa = main_run["refused_swa"]  # WeightAveraging/EMAWeightAveraging work: tests/test_weight_averaging.py
     assert swa and "does not support the StochasticWeightAveraging callback" in swa and "EMAWeightAveraging" in swa

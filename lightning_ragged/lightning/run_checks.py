@@ -24,6 +24,8 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 import lightning.pytorch as pl
 
+from lightning_ragged.engine.runtime import get_state
+
 SETTINGS_ATTRIBUTE = "_ragged_fsdp_settings"
 
 
@@ -51,6 +53,7 @@ def remember_settings(model: nn.Module, settings: Mapping[str, str]) -> None:
 
 def check_reused_module(model: nn.Module, settings: Mapping[str, str]) -> None:
     """A module sharded by an earlier run: refuse this run's settings where they differ from that run's."""
+    _refuse_unsharded_parameters(model)
     before = model.__dict__.get(SETTINGS_ATTRIBUTE)
     if before is None:  # sharded outside the strategy (fully_shard by hand): nothing recorded to compare
         return
@@ -62,6 +65,23 @@ def check_reused_module(model: nn.Module, settings: Mapping[str, str]) -> None:
             + "; ".join(changed) + "). Its parameters are that run's shards (layout, dtypes, hooks) and cannot "
             "take new ones. Use the same strategy and precision settings as that run, or pass a fresh, unsharded "
             "module (rebuild it and resume with fit(ckpt_path=...) or load its consolidated weights)."
+        )
+
+
+def _refuse_unsharded_parameters(model: nn.Module) -> None:
+    """A module sharded earlier holds only shards: a parameter set since (a head or block replaced between two
+    fits) would train whole on every rank with its gradient never averaged, the ranks drifting apart silently."""
+    state = get_state(model)
+    sharded = {id(p) for group in state.all_groups for dbuffer in group.dbuffers
+               for params in (dbuffer.sharded_params, dbuffer.unsharded_params) for p in params.values()}
+    added = [name for name, param in model.named_parameters() if id(param) not in sharded]
+    if added:
+        raise ValueError(
+            "RaggedFSDPStrategy: this module was sharded by an earlier run, and parameters set since are not sharded "
+            f"({', '.join(added[:5])}{f', ... {len(added)} in all' if len(added) > 5 else ''}): they would train "
+            "on each rank alone, their gradients never averaged. Replace modules before the first run, or "
+            "build a fresh module with the new parts, load the trained weights into it (a checkpoint with "
+            "fit(ckpt_path=...) and strict=False, or lightning_ragged.full_state_dict of this one) and fit that."
         )
 
 

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from lightning_ragged.engine.dbuffer import DBuffer
+from lightning_ragged.engine.full_writes import keep_full_writes, writes_kept
 from lightning_ragged.engine.shard_cast import drop_at_optimizer_steps
 from lightning_ragged.engine.grouping import needs_params_in_backward
 
@@ -46,6 +47,8 @@ class ShardGroup:
         self.dbuffers = dbuffers
         self._gathered_versions = [-1] * len(dbuffers)
         """Each DBuffer's shards' version at its last gather; -1 after an optimizer step (fused kernels move none)."""
+        self._full_versions = [-1] * len(dbuffers)
+        """Each DBuffer's full buffer's version at its last gather: moved by writes to be kept (``full_writes.py``)."""
         drop_at_optimizer_steps(self)
         self.slots = slots
         self.is_root = is_root
@@ -131,6 +134,8 @@ class ShardGroup:
         for index, dbuffer in enumerate(self.dbuffers):
             if self._gathered_versions[index] != dbuffer.sharded._version and not dbuffer.full_is_shard:
                 dbuffer.reshard()
+            if not (dbuffer.is_unsharded or dbuffer.unshard_pending):
+                self._full_versions[index] = dbuffer.unsharded._version
             dbuffer.unshard(async_op=async_op)
             self._gathered_versions[index] = dbuffer.sharded._version
 
@@ -147,8 +152,20 @@ class ShardGroup:
         self.wait_unshard()
         self.point_slots_at(lambda dbuffer, name: dbuffer.unsharded_params[name])
 
+    def keep_full_writes(self) -> None:
+        """In-place writes to the full parameters since their gather go to the shards (``full_writes.py``), unless the
+        shards changed meanwhile (an optimizer step: the full ones are stale and dropped)."""
+        self.wait_unshard()
+        for index, dbuffer in enumerate(self.dbuffers):
+            if dbuffer.is_unsharded and dbuffer.unsharded._version != self._full_versions[index] \
+                    and self._gathered_versions[index] == dbuffer.sharded._version and writes_kept(dbuffer):
+                keep_full_writes(dbuffer)
+                self._full_versions[index], self._gathered_versions[index] = \
+                    dbuffer.unsharded._version, dbuffer.sharded._version  # the full buffer still equals the shards
+
     def reshard(self) -> None:
         """Free the full parameters and point the modules back at the shards."""
+        self.keep_full_writes()
         for dbuffer in self.dbuffers:
             dbuffer.reshard()
         self.use_sharded()
@@ -169,6 +186,7 @@ class ShardGroup:
         if self.reshard_after_forward is True:
             self.reshard()
             return
+        self.keep_full_writes()
         for dbuffer in self.dbuffers:
             dbuffer.reshard_to_partial()
         self.use_sharded()
@@ -176,7 +194,7 @@ class ShardGroup:
     def set_aside(self) -> None:
         """Keep the full parameters (the gather finished) for a later forward; the modules hold the shards
         meanwhile, so ``model.parameters()`` (an optimizer, gradient clipping) sees the shards."""
-        self.wait_unshard()
+        self.keep_full_writes()
         self.use_sharded()
 
     def use_sharded(self) -> None:

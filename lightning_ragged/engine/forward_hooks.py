@@ -56,21 +56,25 @@ def install_hooks(state: RaggedFSDPState) -> None:
             state.root_post_forward(raised)
 
     handles = state.handles
-    handles.append(root.register_forward_pre_hook(eager(root_pre_hook), with_kwargs=True))
+    # prepended, as FSDP2's: a pre-hook the user registered before sharding (pruning's mask, the old weight_norm's
+    # recomputed weight) reads the full parameters, not the shards
+    handles.append(root.register_forward_pre_hook(eager(root_pre_hook), with_kwargs=True, prepend=True))
     handles.append(root.register_forward_hook(eager(root_post_hook), always_call=True))
     for group in state.all_groups:
         if group.is_root:
             owners = {id(owner): owner for owner, *_ in group.slots if owner is not root}
             for owner in owners.values():
                 handles.append(owner.register_forward_pre_hook(
-                    eager(lambda _m, args, kwargs, g=group: state.pre_forward(g, args, kwargs)), with_kwargs=True
+                    eager(lambda _m, args, kwargs, g=group: state.pre_forward(g, args, kwargs)), with_kwargs=True,
+                    prepend=True,
                 ))
                 handles.append(owner.register_forward_hook(
                     eager(lambda _m, _a, output, g=group: state.hook_backward(g, output))
                 ))
         elif len(group.members) == 1:  # every call of a block gathers it and is done with it
             handles.append(group.module.register_forward_pre_hook(
-                eager(lambda _m, args, kwargs, g=group: state.pre_forward(g, args, kwargs)), with_kwargs=True
+                eager(lambda _m, args, kwargs, g=group: state.pre_forward(g, args, kwargs)), with_kwargs=True,
+                prepend=True,
             ))
             handles.append(group.module.register_forward_hook(
                 eager(lambda _m, _a, output, g=group: state.post_forward(g, output))
@@ -97,7 +101,7 @@ def _hook_members(state: RaggedFSDPState, group: ShardGroup) -> None:
         return output if group.members_to_run else state.post_forward(group, output)
 
     for member in group.members:
-        state.handles.append(member.register_forward_pre_hook(eager(pre_hook), with_kwargs=True))
+        state.handles.append(member.register_forward_pre_hook(eager(pre_hook), with_kwargs=True, prepend=True))
         state.handles.append(member.register_forward_hook(eager(post_hook)))
 
 

@@ -23,6 +23,7 @@ from typing import Callable, Hashable, Iterable, Sequence, Type, Union
 
 import torch
 from torch import nn
+from torch.nn.utils.parametrize import ParametrizationList
 
 from lightning_ragged.layout.errors import DBufferAlignmentError
 from lightning_ragged.layout.spec import is_positive_int
@@ -206,7 +207,10 @@ def stack_blocks(root: nn.Module) -> list[tuple[str, nn.Module]]:
     chosen: list[tuple[str, nn.Module]] = []
 
     def visit(prefix: str, module: nn.Module) -> None:
-        children = [(name, child) for name, child in module.named_children() if _has_params(child)]
+        # a parametrized tensor's ParametrizationLists (``module.parametrizations.weight``, ``.bias``) are parts of
+        # one computation, not blocks: a group each would free a parametrization's output before its module uses it
+        children = [(name, child) for name, child in module.named_children()
+                    if _has_params(child) and not isinstance(child, ParametrizationList)]
         composite = [child for _, child in children if _is_composite(child)]
         container = isinstance(module, (nn.ModuleList, nn.Sequential))
         repeats = Counter(type(child) for child in composite)

@@ -1,0 +1,73 @@
+"""Modules changed before sharding by forward pre-hooks or parametrizations train as in one process.
+
+Pruning (``torch.nn.utils.prune``) and the old ``weight_norm``/``spectral_norm`` recompute ``weight`` in a
+forward pre-hook registered before ``fully_shard``: the engine's own pre-hooks are prepended (as FSDP2's), so
+the user's runs on the full parameters, not the 1-D shards (before: "size of tensor a (16) must match ... (240)",
+and heap corruption for weight_norm, where a Linear was a group of its own). A module with two parametrized
+tensors holds two ``ParametrizationList``s: parts of one computation, never groups of their own (before: each was,
+and a parametrization returning its parameter's alias had its output freed before the module used it).
+The oracle is the same model trained in one process; fp32 SGD, bound 1e-6 (the runs measured 3e-8 to 9e-8).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.utils import parametrize, prune
+
+import lightning_ragged as lr
+
+WIDTH, BATCH, STEPS = 16, 4, 4
+
+
+def _model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh(), nn.Linear(WIDTH, WIDTH), nn.Tanh(), nn.Linear(WIDTH, 4))
+
+
+def _surgery(model: nn.Sequential, kind: str) -> nn.Sequential:
+    for linear in (model[0], model[2], model[4]):
+        if kind == "prune":
+            prune.l1_unstructured(linear, "weight", amount=0.5)
+        elif kind == "weight_norm":
+            torch.nn.utils.weight_norm(linear)
+        elif kind == "spectral_norm":
+            torch.nn.utils.spectral_norm(linear)
+        else:  # two parametrized tensors, each returning (an alias of) its parameter
+            parametrize.register_parametrization(linear, "weight", nn.Identity())
+            parametrize.register_parametrization(linear, "bias", nn.Identity())
+    return model
+
+
+def _train(model: nn.Module, rank: int, world: int) -> nn.Module:
+    generator = torch.Generator().manual_seed(1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(STEPS):
+        x = torch.randn(BATCH * world, WIDTH, generator=generator)
+        y = torch.randn(BATCH * world, 4, generator=generator)
+        if rank >= 0:
+            x, y = x.chunk(world)[rank], y.chunk(world)[rank]
+        nn.functional.mse_loss(model(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return model
+
+
+def check_hooked_modules(kind: str, each_linear: bool) -> float:
+    world = dist.get_world_size()
+    oracle = _train(_surgery(_model(), kind), -1, world)  # built twice: a pruned module cannot be deep-copied
+    model = _surgery(_model(), kind)
+    if each_linear:  # FSDP2's pattern: each Linear a group of its own, then the model
+        for index in (0, 2, 4):
+            lr.fully_shard(model[index])
+    sharded = _train(lr.fully_shard(model), dist.get_rank(), world)
+    full = lr.full_state_dict(sharded)
+    return max((full[name] - value).abs().max().item() for name, value in oracle.state_dict().items())
+
+
+@pytest.mark.parametrize("kind", ["prune", "weight_norm", "spectral_norm", "two_parametrizations"])
+@pytest.mark.parametrize("each_linear", [True, False], ids=["each-linear", "one-call"])
+def test_hooked_modules_train_as_in_one_process(dist_pool, kind, each_linear):
+    assert max(dist_pool(2).run(check_hooked_modules, kind, each_linear)) <= 1e-6

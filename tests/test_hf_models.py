@@ -354,9 +354,10 @@ def test_generate_gathers_each_buffer_once_per_forward_or_keeps_it(dist_pool) ->
         assert all(result[f"{variant}_shards_at_rest"] for variant in ("default", "kept", "unsharded_first")), result
 
 
-def _rank_local_generation(impl: str) -> dict:
+def _rank_local_generation(impl: str, dropped_forward: bool = False) -> dict:
     """FSDP2's idiom for generating on one rank: after a training step, every rank keeps its modules unsharded
-    (``set_reshard_after_forward(False)``, ``unshard()``), rank 0 alone generates, then all reshard and train on."""
+    (``set_reshard_after_forward(False)``, ``unshard()``), rank 0 alone generates, then all reshard and train on.
+    ``dropped_forward``: a forward with gradients whose graph nobody backpropagates (a logged loss) comes first."""
     import torch.distributed as dist
 
     import lightning_ragged
@@ -375,6 +376,8 @@ def _rank_local_generation(impl: str) -> dict:
     optimizer.step()
     optimizer.zero_grad()
     _train_reference(reference, batches[:1])
+    if dropped_forward:
+        _lm_loss(model, _local_rows(batches[1], rank, world))
     for module in modules:
         module.set_reshard_after_forward(False)
         module.unshard()
@@ -396,11 +399,13 @@ def _rank_local_generation(impl: str) -> dict:
     return {"same": same, "param_diff": _max_diff(expected, _full_params(model, impl))}
 
 
+@pytest.mark.parametrize("dropped_forward", [False, True], ids=["after-step", "after-dropped-forward"])
 @pytest.mark.parametrize("impl", IMPLS)
-def test_generate_on_one_rank_with_everything_unsharded(dist_pool, impl: str) -> None:
+def test_generate_on_one_rank_with_everything_unsharded(dist_pool, impl: str, dropped_forward: bool) -> None:
     # before: rank 0 waited in the buffer broadcast of its first forward (and, without it, in an all-gather: the
-    # no-grad forward dropped what unshard() gathered), rank 1 in the barrier: a timeout
-    results = dist_pool(2).run(_rank_local_generation, impl)
+    # no-grad forward dropped what unshard() gathered), rank 1 in the barrier: a timeout. After a dropped forward
+    # rank 0's first forward freed what unshard() gathered (releasing that forward's groups) and gathered alone
+    results = dist_pool(2).run(_rank_local_generation, impl, dropped_forward)
     assert results[0]["same"] is True, results
     assert all(result["param_diff"] <= FP32_TOL for result in results), results
 

@@ -159,24 +159,25 @@ class RaggedFSDPState:
                     group.reshard_after_backward_step()
 
     def _begin_step(self) -> None:
-        """Recover from a backward that raised, release what a backward-less forward kept,
-        restart the recorded forward order.
-
-        A forward whose backward is still to come (``(f(model(a)) + f(model(b))).backward()``)
-        loses nothing here: each group counts the calls its next backward runs when that
-        backward reaches it (``pre_backward``), not the forwards.
-        """
+        """Recover from a backward that raised, release what a backward-less forward kept, restart the recorded
+        forward order. A forward whose backward is still to come (``(f(model(a)) + f(model(b))).backward()``) loses
+        nothing here: each group counts the calls its next backward runs when that backward reaches it."""
         if self._in_backward:
             self.recover()
         for group in self.all_groups:
             group.check_linked()
             group.members_to_run.clear()  # left pending by a forward that raised between its members' hooks
-            if group.forward_calls:  # the last forward recorded a graph (or raised) but no backward ran
+        self._release_backwardless()
+        self._previous_order, self.forward_order = self.forward_order or self._previous_order, ForwardOrder()
+        self._sync_buffers()
+
+    def _release_backwardless(self) -> None:
+        """The last forward recorded a graph (or raised) but no backward ran: free its groups, forget its counts."""
+        for group in self.all_groups:
+            if group.forward_calls:
                 if group.reshard_after_backward:
                     group.reshard()
                 group.end_backward()
-        self._previous_order, self.forward_order = self.forward_order or self._previous_order, ForwardOrder()
-        self._sync_buffers()
 
     def recover(self) -> None:
         """The last forward or backward raised: free what it allocated; the next step trains exactly.
@@ -376,6 +377,10 @@ class RaggedFSDPState:
 
     # ----------------------------------------------------------------- public
     def unshard(self, groups: list[ShardGroup], async_op: bool = False) -> UnshardHandle:
+        """An explicit ``unshard()`` (every rank) does the next root forward's first work: on one rank alone (FSDP2's
+        generation idiom) that forward then issues nothing and frees nothing gathered here."""
+        if not self.running:
+            self._release_backwardless()
         self._sync_buffers()
         for group in groups:
             group.unshard(async_op=async_op)

@@ -179,6 +179,17 @@ def test_garbage_in_a_tensor_item_read_unverified_is_damage_not_distrust(saved) 
     assert not isinstance(error.value, ck.UntrustedCheckpointError)
 
 
+def test_a_damaged_tensor_archive_read_unverified_is_damage(saved) -> None:
+    """The end of a tensor item (its archive's directory) overwritten: torch's raw "PytorchStreamReader failed"
+    escaped through DCP's CheckpointException (the consolidate CLI printed a traceback)."""
+    info = _entry(_metadata(saved), "model.embed.weight")
+    with open(saved / info.relative_path, "r+b") as handle:
+        handle.seek(info.offset + info.length - 64)
+        handle.write(b"\xff" * 64)
+    with pytest.raises(ck.CorruptCheckpointError, match="damaged: reading its shards failed .*PytorchStreamReader"):
+        _load(saved, verify_checksums=False)
+
+
 def _storage_list(metadata) -> None:
     metadata.storage_data = list(metadata.storage_data.values())
 

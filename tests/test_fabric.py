@@ -184,6 +184,14 @@ def test_fabric_refuses_bad_settings_before_launch() -> None:
         RaggedFSDPFabricStrategy(replicate_degree="auto")
     with pytest.raises(TypeError, match="did you mean shard_granularity='row'"):
         RaggedFSDPFabricStrategy(shard_granularty="row")
+    # the Trainer's knobs Fabric has no place for: refused with what to do (it suggested the refused name itself)
+    for name, value, fix in [("metrics", True, "EngineMetrics"), ("monitor_port", 8080, "Monitor"),
+                             ("monitor_address", "0.0.0.0", "Monitor"), ("sync_grads_each_micro_batch", True,
+                                                                           "no_backward_sync")]:
+        with pytest.raises(TypeError) as refused:
+            RaggedFSDPFabricStrategy(**{name: value})
+        assert f"({name}={value!r}):" in str(refused.value) and fix in str(refused.value), refused.value
+        assert "did you mean" not in str(refused.value), refused.value
     with pytest.raises(ValueError, match=r"replicate_degree=3 \(3\) must divide the world size 2"):  # at construction
         L.Fabric(accelerator="cpu", devices=2, strategy=RaggedFSDPFabricStrategy(replicate_degree=3))
 

@@ -840,7 +840,7 @@ def test_bad_arguments_get_clear_errors(dist_pool):
     unknown, zero, algorithm, block_rows, mode, unused_block_rows, alignment, twice = messages
     assert "shard_granularity='diagonal'" in unknown and "'row'" in unknown
     assert zero.startswith("DBufferAlignmentError: DBuffer alignment error:") and "dbuffer_size=0" in zero
-    assert "fastest" in algorithm and "optimal" in algorithm
+    assert "planning_algorithm='fastest' is unknown" in algorithm and "optimal" in algorithm  # it said algorithm=
     assert "block_rows=0" in block_rows
     assert "reduce_mode='broadcast'" in mode
     assert "block_rows=0" in unused_block_rows

@@ -292,7 +292,7 @@ def test_runs_it_cannot_honour_are_refused_with_the_reason(main_run: dict) -> No
     swa = main_run["refused_swa"]  # WeightAveraging/EMAWeightAveraging work: tests/test_weight_averaging.py
     assert swa and "does not support the StochasticWeightAveraging callback" in swa and "EMAWeightAveraging" in swa
     pruning = main_run["refused_pruning"]
-    assert pruning and "does not support the ModelPruning callback" in pruning and "prune.remove" in pruning
+    assert pruning and "does not support the ModelPruning callback" in pruning and "configure_model" in pruning
     sync = main_run["refused_sync_batchnorm"]
     assert sync and "sync_batchnorm=True" in sync and "probe_norm" in sync and "not on CPU" in sync, sync
 

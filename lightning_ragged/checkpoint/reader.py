@@ -193,6 +193,7 @@ def _is_damage(cause: BaseException) -> bool:
     return (
         isinstance(cause, (pickle.UnpicklingError, EOFError, bounded_reads.InflationError))
         or (isinstance(cause, AssertionError) and "mismatch sizes" in str(cause))
+        or (isinstance(cause, RuntimeError) and "PytorchStreamReader failed" in str(cause))  # a tensor item's archive
     )
 
 

@@ -46,7 +46,7 @@ from lightning_ragged.engine.ownership import claim, refuse_sharded_twice
 from lightning_ragged.engine.grouping import (
     GroupSpec, ParamGroupPlan, group_name, parameter_slots, plan_groups, split_into_dbuffers,
 )
-from lightning_ragged.layout.planner import check_alignment, plan
+from lightning_ragged.layout.planner import ALGORITHMS, check_alignment, plan
 from lightning_ragged.layout.spec import TensorSpec, is_positive_int
 from lightning_ragged.engine.retired_params import retire
 from lightning_ragged.engine.runtime import RaggedFSDPState, get_state
@@ -171,6 +171,8 @@ def fully_shard(
     for knob, flag in flags:
         check_flag(knob, flag)
     check_block_rows(block_rows)  # also where the policy does not use it, as the README promises
+    if planning_algorithm not in ALGORITHMS:
+        raise ValueError(f"planning_algorithm={planning_algorithm!r} is unknown; use one of {ALGORITHMS}")
     if alignment is not None:  # 0 was taken as None (16 bytes)
         check_alignment(alignment)
     if isinstance(max_inflight_all_gathers, bool) or not isinstance(max_inflight_all_gathers, int) \

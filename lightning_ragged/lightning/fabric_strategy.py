@@ -48,6 +48,19 @@ from lightning_ragged.lightning.sharding import (
 )
 
 
+TRAINER_ONLY = {
+    "metrics": "the metrics are a Trainer callback; with Fabric read lightning_ragged.EngineMetrics(model) and log "
+               "its compute() yourself (docs/operations.md)",
+    "monitor_port": "the monitor endpoint is a Trainer callback; with Fabric build it yourself: "
+                    "lightning_ragged.observability.monitor.Monitor(EngineMetrics(model), port=...)",
+    "monitor_address": "the monitor endpoint is a Trainer callback; with Fabric build it yourself: "
+                       "lightning_ragged.observability.monitor.Monitor(EngineMetrics(model), address=...)",
+    "sync_grads_each_micro_batch": "Fabric's loop decides each backward's reduction: leave the accumulating backwards "
+                                   "outside fabric.no_backward_sync(model) to reduce each micro-batch",
+}
+"""The Trainer strategy's knobs Fabric has no place for, with what to do instead."""
+
+
 class RaggedFSDPFabricStrategy(RaggedParallel, ParallelStrategy):
     """Fully sharded data parallel with ragged, structure-aware shards for Lightning Fabric.
 
@@ -106,6 +119,8 @@ class RaggedFSDPFabricStrategy(RaggedParallel, ParallelStrategy):
                 f"{owner}(replicate_degree='auto'): Fabric builds the process groups before the model exists; "
                 "pass an int (replicas) or 'node' (shard inside each node)"
             )
+        for name in TRAINER_ONLY.keys() & kwargs.keys():
+            raise TypeError(f"{owner}({name}={kwargs[name]!r}): {TRAINER_ONLY[name]}")
         check_strategy_knobs(knobs, kwargs, owner=owner)
         super().__init__(
             accelerator=accelerator,

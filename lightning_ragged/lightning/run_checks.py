@@ -102,8 +102,9 @@ def refuse_unsupported_callbacks(trainer: "pl.Trainer") -> None:
             raise ValueError(
                 "RaggedFSDPStrategy does not support the ModelPruning callback: torch.nn.utils.prune replaces each "
                 "pruned weight by weight_orig * mask, a mask ranked over the whole tensor, while under this strategy "
-                "a module's weight is this rank's 1-D shard between steps. Prune the unsharded model before training "
-                "(torch.nn.utils.prune, then prune.remove), or the consolidated weights after it."
+                "a module's weight is this rank's 1-D shard between steps. Prune the unsharded model before it is "
+                "sharded (torch.nn.utils.prune in configure_model: the mask is kept and pruned weights stay zero, as "
+                "under DDP), or the consolidated weights after training."
             )
 
 

@@ -44,7 +44,7 @@ from lightning_ragged.layout.auto import AutoPlan
 from lightning_ragged.layout.granularity import GranularityPolicy, check_block_rows, resolve_granularity
 from lightning_ragged.engine.ownership import claim, refuse_sharded_twice
 from lightning_ragged.engine.grouping import (
-    GroupSpec, ParamGroupPlan, group_name, parameter_slots, plan_groups, split_into_dbuffers,
+    GroupSpec, ParamGroupPlan, group_name, parameter_slots, plan_groups, split_into_dbuffers, warn_split_blocks,
 )
 from lightning_ragged.layout.planner import ALGORITHMS, check_alignment, plan
 from lightning_ragged.layout.spec import TensorSpec, is_positive_int
@@ -217,6 +217,7 @@ def fully_shard(
                 f"{paths[id(child.root)]!r} was sharded over other process groups than this fully_shard call's: "
                 "pass the same process_group and replicate_group to every fully_shard call of one model"
             )
+    warn_split_blocks(children, target, label)
     taken = {id(p) for child in children for group in child.all_groups for _b, _n, p in _group_params(group)}
     claimed = refuse_sharded_twice(target, taken, label)  # before anything of the children is changed
     for child in children:
@@ -295,6 +296,9 @@ def fully_shard(
     state.buffer_sync = BufferSync(target, process_group, replicate_group) if broadcast_buffers else None
     state.keep_last_unsharded = keep_last_unsharded
     state.auto_plan = auto
+    # one call that split its module by its stacks (FSDP2's per-block call on a MoE block splits it by expert)
+    state.split_by_stacks = not children and listed is None and group_modules is None and auto is None \
+        and blocks_per_group == 1 and len(new_groups) > 1
     state.max_inflight_all_gathers = max_inflight_all_gathers
     for group in new_groups:
         group.reshard()

@@ -17,9 +17,10 @@ fewer, larger groups pad less at a large world (see ``layout/auto.py``).
 
 from __future__ import annotations
 
+import warnings
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Callable, Hashable, Iterable, Sequence, Type, Union
+from typing import Any, Callable, Hashable, Iterable, Sequence, Type, Union
 
 import torch
 from torch import nn
@@ -341,3 +342,23 @@ def _param_bytes(params: Iterable[torch.Tensor]) -> int:
 
 def _has_params(module: nn.Module) -> bool:
     return any(True for _ in module.parameters())
+
+
+def warn_split_blocks(children: list[Any], target: nn.Module, label: str) -> None:
+    """FSDP2 makes one group per ``fully_shard`` call; a call here splits its module along the stacks it holds (what
+    a call on a whole model wants). When the split modules are blocks of a stack of the parent that adopts them
+    (FSDP2's per-block calls), say so: a MoE block split by expert issues a collective per expert, where
+    ``group_modules=()`` keeps each block call one group."""
+    stacked = {id(block) for m in target.modules() if isinstance(m, (nn.ModuleList, nn.Sequential))
+               for block in m.children()}
+    split = [(getattr(type(child.root), "_ragged_original", type(child.root)).__name__, len(child.all_groups))
+             for child in children
+             if child.split_by_stacks and id(child.root) in stacked]
+    if split:
+        warnings.warn(
+            f"fully_shard({label}) adopts {len(split)} earlier calls that each split their module into several "
+            f"groups along a stack inside it ({split[0][0]}: {split[0][1]} groups, one per block of the stack plus "
+            "the rest), each group gathered and reduced on its own. FSDP2 makes one group per call: pass "
+            "group_modules=() to those calls to keep each one group, or shard the model in one fully_shard call",
+            stacklevel=3,
+        )

@@ -29,10 +29,7 @@ def install_hooks(state: RaggedFSDPState) -> None:
     root = state.root
     root_group = next((g for g in state.all_groups if g.is_root), None)
 
-    unprobed = [g for g in state.all_groups if not (g.is_root or g.unshard_in_backward or g.read_outside_forward)]
-    probe = DirectReadProbe(root, unprobed) if unprobed else None
-    if probe is not None:
-        state.handles += probe.handles
+    probe: DirectReadProbe | None = None  # made after the group hooks below: its window hooks are prepended to them
     check = ShardedCallCheck(root, state.all_groups)
     state.handles += check.handles
 
@@ -84,6 +81,10 @@ def install_hooks(state: RaggedFSDPState) -> None:
         for dbuffer, name, param in group.unsharded_params():
             if param.requires_grad:
                 state.hook_grad(group, dbuffer, name, param)
+    unprobed = [g for g in state.all_groups if not (g.is_root or g.unshard_in_backward or g.read_outside_forward)]
+    if unprobed:
+        probe = DirectReadProbe(root, unprobed)
+        state.handles += probe.handles
 
 
 def _hook_members(state: RaggedFSDPState, group: ShardGroup) -> None:

@@ -72,7 +72,7 @@ class RaggedFSDPState:
         self._hooked: set[int] = set()
         self.handles: list[Any] = []  # hook handles, removed when a parent ``fully_shard`` call adopts these groups
         self.auto_plan: Any = None
-        self.split_by_stacks = False  # one call split its module along a stack inside it (see ``api.py``)
+        self.split_by_stacks = False  # one call split its module along a stack inside it (``grouping.warn_split_blocks``)
         """``planning="auto"``: the ``layout.auto.AutoPlan`` that chose the groups, for reports."""
         self.buffer_sync: Any = None  # broadcast_buffers=True: a state_sync.BufferSync (run by _sync_buffers)
         self._buffers_need_sync = True  # DDP's require_forward_param_sync (true for the first forward too)

@@ -71,3 +71,20 @@ def check_hooked_modules(kind: str, each_linear: bool) -> float:
 @pytest.mark.parametrize("each_linear", [True, False], ids=["each-linear", "one-call"])
 def test_hooked_modules_train_as_in_one_process(dist_pool, kind, each_linear):
     assert max(dist_pool(2).run(check_hooked_modules, kind, each_linear)) <= 1e-6
+
+
+def check_surgery_after_sharding(kind: str) -> str:
+    """The same surgery after ``fully_shard``: every rank refuses at the next forward, naming the parameter."""
+    model = _model()
+    for index in (0, 2, 4):
+        lr.fully_shard(model[index])
+    lr.fully_shard(model)
+    _surgery(model, kind)
+    with pytest.raises(RuntimeError, match=r"parameter 'weight' .* no longer registered .* before fully_shard"):
+        model(torch.randn(BATCH, WIDTH))
+    return "refused"
+
+
+@pytest.mark.parametrize("kind", ["prune", "two_parametrizations"])
+def test_surgery_after_sharding_is_refused_by_name(dist_pool, kind):
+    assert dist_pool(2).run(check_surgery_after_sharding, kind) == ["refused", "refused"]

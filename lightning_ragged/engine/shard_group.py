@@ -203,6 +203,14 @@ class ShardGroup:
     def point_slots_at(self, pick: Callable[[DBuffer, str], nn.Parameter]) -> None:
         """Set every module slot of this group to ``pick(dbuffer, name)`` (shards, full views, or other tensors)."""
         for module, attr, dbuffer, name in self.slots:
+            if attr not in module._parameters:
+                raise RuntimeError(
+                    f"parameter '{name}' ({type(module).__name__}.{attr}) is no longer registered on its module: "
+                    "it was removed after fully_shard (torch.nn.utils.prune, weight_norm, spectral_norm, "
+                    "parametrize.register_parametrization or del turn a parameter into a computed attribute), so "
+                    "they would run on 1-D shards. Apply them before fully_shard: the engine then shards the "
+                    "parameters they register and they see whole tensors in forward"
+                )
             module._parameters[attr] = pick(dbuffer, name)
 
     # ------------------------------------------------------------- gradients

@@ -604,21 +604,28 @@ def check_deepcopy_refused() -> dict:
     before = copy.deepcopy(model)
     lr.fully_shard(model)
     errors = {}
-    for name, target in (("model", model), ("block", model.blocks[0]), ("head", model.head)):
+    embedding = nn.Embedding(8, 4)  # constructors with required arguments, each sharded by a call of its own
+    stack = nn.Sequential(embedding, nn.Linear(4, 4))
+    lr.fully_shard(embedding)
+    lr.fully_shard(stack)
+    rng = torch.get_rng_state()
+    for name, target in (("model", model), ("block", model.blocks[0]), ("head", model.head),
+                         ("own-call embedding", embedding), ("its parent", stack)):
         try:
             copy.deepcopy(target)
             errors[name] = None
         except TypeError as error:
             errors[name] = str(error)
     lm_loss(before, _local(make_batches(1, BATCH)[0])).backward()
-    return {"errors": errors, "copy_has_grads": all(p.grad is not None for p in before.parameters())}
+    return {"errors": errors, "rng_moved": not torch.equal(rng, torch.get_rng_state()),
+            "copy_has_grads": all(p.grad is not None for p in before.parameters())}
 
 
 def test_deepcopy_of_a_sharded_model_is_refused_clearly(dist_pool):
     for result in dist_pool(2).run(check_deepcopy_refused):
-        for name, error in result["errors"].items():
+        for name, error in result["errors"].items():  # the embedding's was "__init__() missing 2 required ..."
             assert error is not None and "deep-copy the model before sharding" in error.lower(), (name, error)
-        assert result["copy_has_grads"], result
+        assert result["copy_has_grads"] and not result["rng_moved"], result
 
 
 def check_full_state_dict_round_trip() -> float:

@@ -35,6 +35,11 @@ class FSDPModule:
         module.__init__(*args, **kwargs)
         return module
 
+    def __deepcopy__(self, memo: dict) -> Any:
+        """Refused with the engine's message, before ``copy`` rebuilds the module through ``__new__`` (which re-runs
+        the original ``__init__`` without its arguments: a constructor's TypeError, or a new module and RNG draws)."""
+        return self._ragged_fsdp_state.__deepcopy__(memo)
+
     def _ragged_own_groups(self) -> list:
         """The groups this module is a member of (a group of several blocks is every member's, as FSDP2's)."""
         return [group for group in self._ragged_fsdp_state.all_groups if any(m is self for m in group.members)]

@@ -147,3 +147,37 @@ def test_summon_full_params_writes_back_only_what_it_should(dist_pool):
         assert result["outside"] == 1
         assert result["diff"] == 0.0, result  # doubled kept; writeback=False and a raising block left nothing
         assert "inside a forward or backward" in result["refused"]
+
+
+def check_summon_with_grads() -> dict:
+    """``summon_full_params(with_grads=True)``: whole gradients equal to one process's on the global batch (a
+    frozen layer's stay None), read-only: the shards' gradients are unchanged after it."""
+    torch.manual_seed(0)
+    reference = ListModel()
+    torch.manual_seed(0)
+    model = lr.fully_shard(ListModel())
+    for m in (reference, model):
+        m.layers[1].requires_grad_(False)
+    batch = make_batches(1, BATCH)[0]
+    lm_loss(reference, batch).backward()
+    lm_loss(model, _local(batch)).backward()
+    before = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+    expected = dict(reference.named_parameters())
+    with lr.summon_full_params(model, with_grads=True):
+        grads = {name: None if p.grad is None else (tuple(p.grad.shape), (p.grad - expected[name].grad).abs().max().item())
+                 for name, p in model.named_parameters()}
+    after = [p.grad for p in model.parameters() if p.grad is not None]
+    return {"grads": grads, "frozen": sorted(n for n, p in reference.named_parameters() if p.grad is None),
+            "shapes": {n: tuple(p.shape) for n, p in reference.named_parameters()},
+            "unchanged": len(before) == len(after) and all(torch.equal(a, b) for a, b in zip(before, after))}
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_summon_full_params_with_grads_gives_one_process_gradients(dist_pool, world):
+    for result in dist_pool(world).run(check_summon_with_grads):
+        assert result["frozen"] and all(result["grads"][name] is None for name in result["frozen"])
+        for name, got in result["grads"].items():
+            if name not in result["frozen"]:
+                shape, diff = got
+                assert shape == result["shapes"][name] and diff <= 1e-6, (name, got)  # fp32 means of 2-3 parts
+        assert result["unchanged"]

@@ -33,6 +33,30 @@ def open_full(group: ShardGroup) -> dict[tuple[int, str], torch.Tensor]:
     return views
 
 
+def gather_grads(group: ShardGroup, views: dict[tuple[int, str], torch.Tensor]) -> None:
+    """Give the full views ``.grad``: every rank's sharded gradients all-gathered into a full master-dtype buffer
+    per DBuffer. A parameter gets one where some rank's shard has one (its other ranks' parts are zeros)."""
+    for dbuffer in group.dbuffers:
+        names = list(dbuffer.sharded_params)
+        has = torch.tensor([dbuffer.sharded_params[n].grad is not None for n in names], dtype=torch.int32,
+                           device=dbuffer.device)
+        collectives.all_reduce(has, dbuffer.process_group).wait()
+        if not has.any():
+            continue
+        segment = torch.zeros_like(dbuffer.sharded)
+        base = dbuffer.sharded.storage_offset()
+        for name in names:
+            shard = dbuffer.sharded_params[name]
+            if shard.grad is not None:
+                begin = shard.storage_offset() - base
+                segment[begin : begin + shard.numel()].copy_(shard.grad)
+        full = torch.empty(dbuffer.full_numel, dtype=dbuffer.master_dtype, device=dbuffer.device)
+        collectives.all_gather(full, segment, dbuffer.process_group, mode=dbuffer.gather_mode).wait()
+        for name, flag in zip(names, has.tolist()):
+            if flag > 0:
+                views[(id(dbuffer), name)].grad = dbuffer.full_view(full, name)
+
+
 def close_full(group: ShardGroup, views: dict[tuple[int, str], torch.Tensor], keep: bool = True) -> None:
     """Keep this rank's segment of each full buffer (``keep``), then drop the buffers and point at the shards."""
     if keep:
@@ -43,9 +67,12 @@ def close_full(group: ShardGroup, views: dict[tuple[int, str], torch.Tensor], ke
 
 
 @contextmanager
-def summon_full_params(module: nn.Module, *, writeback: bool = True) -> Iterator[None]:
+def summon_full_params(module: nn.Module, *, writeback: bool = True, with_grads: bool = False) -> Iterator[None]:
     """Inside, ``module``'s parameters are whole, original-shape tensors in their master dtype (every group that
     holds one of them is all-gathered); ``writeback``: on exit each rank keeps its segment of what they hold.
+    ``with_grads`` (FSDP1's): their ``.grad`` are whole too, gathered from the sharded gradients (read-only: what
+    they hold on exit is dropped; the shards keep theirs), for histograms or norms per tensor between backward
+    and ``zero_grad``.
 
     For code that needs whole tensors outside forward, e.g. initializing a model built on the meta device::
 
@@ -58,6 +85,7 @@ def summon_full_params(module: nn.Module, *, writeback: bool = True) -> Iterator
     (their segments are kept, not compared). Not inside a forward or backward of the model.
     """
     check_flag("writeback", writeback)
+    check_flag("with_grads", with_grads)
     state = get_state(module)
     if state.running:
         raise RuntimeError("summon_full_params cannot be entered inside a forward or backward of the sharded model")
@@ -73,6 +101,8 @@ def summon_full_params(module: nn.Module, *, writeback: bool = True) -> Iterator
                 for dbuffer in group.dbuffers:
                     collectives.all_gather(views[(id(dbuffer), "")], dbuffer.sharded, dbuffer.process_group,
                                            mode=dbuffer.gather_mode).wait()
+                if with_grads:
+                    gather_grads(group, views)
         yield
     except BaseException:
         keep = False  # what the block left half done is not written into the shards

@@ -41,7 +41,8 @@ from lightning_ragged.engine.collectives import CommStats
 from lightning_ragged.engine.containers import map_tensors, replace_tensors_requiring_grad, tensors_requiring_grad
 from lightning_ragged.engine.dbuffer import DBuffer
 from lightning_ragged.engine.forward_order import ForwardOrder
-from lightning_ragged.engine.reentrant_calls import in_reentrant_checkpoint
+from lightning_ragged.engine.post_backward import PostBackward
+from lightning_ragged.engine.reentrant_calls import in_reentrant_checkpoint, in_reentrant_recomputation
 from lightning_ragged.engine.shard_group import ShardGroup, UnshardHandle
 from lightning_ragged.engine.unused_grads import settle_unused
 from lightning_ragged.engine.streams import CommStreams, device_streams
@@ -219,7 +220,11 @@ class RaggedFSDPState:
                 self.forward_order.record(group)
         group.use_unsharded()
         if self._in_backward:  # a recomputation (activation checkpointing) inside backward
-            return self._cast_inputs(group, args, kwargs, cast)
+            args, kwargs = self._cast_inputs(group, args, kwargs, cast)
+            if group.untracked_calls and not group.forward_calls and torch.is_grad_enabled() \
+                    and in_reentrant_recomputation():
+                args, kwargs = self._track_recomputation(group, args, kwargs)
+            return args, kwargs
         self._prefetch(group, forward=True)
         args, kwargs = self._cast_inputs(group, args, kwargs, cast)
         if torch.is_grad_enabled():
@@ -251,9 +256,21 @@ class RaggedFSDPState:
         if not inputs:  # nothing upstream needs a gradient: no node marks the end of this call's backward
             group.untracked_calls += 1
             return args, kwargs
-        outputs = _PostBackward.apply(self, group, *inputs)
+        outputs = PostBackward.apply(self, group, *inputs)
         group.backward_nodes.append(weakref.ref(outputs[0].grad_fn))
         return replace_tensors_requiring_grad((args, kwargs), list(outputs))
+
+    def _track_recomputation(self, group: ShardGroup, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """A reentrant checkpoint recomputes a call its no-grad forward left untracked: a node on its inputs now
+        marks the end of its backward (the nested one), so the group reduces and frees there, not at the end of the
+        whole backward with every other such group. Only for groups without a plain call in this step: the nested
+        backward cannot see a plain call's node, whose gradient comes later (it waits for the end then)."""
+        untracked = group.untracked_calls
+        group.untracked_calls -= 1
+        args, kwargs = self._register_post_backward(group, args, kwargs)
+        if group.untracked_calls < untracked and group.backward_prepared:  # its calls were counted already
+            group.backward_calls += 1
+        return args, kwargs
 
     def _prefetch(self, group: ShardGroup, forward: bool) -> None:
         """Start the all-gather of the groups expected next (forward or backward).
@@ -426,24 +443,3 @@ def _cast_outputs(group: ShardGroup, output: Any) -> Any:
 def autograd_running() -> bool:
     """True inside a backward pass (the autograd engine is executing a graph task)."""
     return torch._C._current_graph_task_id() != -1
-
-
-class _PostBackward(torch.autograd.Function):
-    """Identity on a module's inputs; its backward runs once the module's backward is complete.
-
-    The autograd engine runs a node only after every node that produces its input
-    gradients, and it runs ``AccumulateGrad`` first, so when this node runs, every
-    gradient of the module's parameters is in its buffer and nothing in the module needs
-    its full parameters any more.
-    """
-
-    @staticmethod
-    def forward(ctx: Any, state: RaggedFSDPState, group: ShardGroup, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        ctx.state, ctx.group = state, group
-        return tuple(t.view_as(t) for t in inputs)
-
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
-        with torch.no_grad():  # backward(create_graph=True) runs this with grad mode on (see ``eager``)
-            ctx.state.post_backward(ctx.group)
-        return (None, None, *grads)

@@ -80,7 +80,7 @@ class ShardGroup:
         """Of them, calls on inputs that need no gradient (a siamese block on raw data, a block revisited): no node
         marks the end of their backward, so the group is reduced and resharded at the end of backward."""
         self.backward_nodes: list[weakref.ref] = []
-        """The ``_PostBackward`` nodes of its calls whose graphs are alive (weakly: a dropped graph frees them)."""
+        """The ``PostBackward`` nodes of its calls whose graphs are alive (weakly: a dropped graph frees them)."""
         self.backward_calls = 0
         """Calls the running backward still has to finish here: the nodes it will execute, counted as it starts."""
         self.backward_prepared = False

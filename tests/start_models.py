@@ -150,6 +150,17 @@ class LitLlama(L.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=1e-3)
 
 
+class LitLlamaShardedByUser(LitLlama):
+    """FSDP2's pattern in ``configure_model``: the user shards each decoder layer (on the meta device when built
+    under ``init_module(empty_init=True)``), the strategy then shards the rest."""
+
+    def configure_model(self) -> None:
+        import lightning_ragged as lr
+
+        for layer in self.model.model.layers:
+            lr.fully_shard(layer)
+
+
 def llama_tokens(samples: int, batch_size: int, seq: int = 8) -> DataLoader:
     generator = torch.Generator().manual_seed(3)
     return DataLoader(TensorDataset(torch.randint(0, 128, (samples, seq), generator=generator)),

@@ -26,6 +26,7 @@ from tests.lightning_models import cpu_trainer  # noqa: E402
 from tests.start_models import (  # noqa: E402
     LitConvBN,
     LitLlama,
+    LitLlamaShardedByUser,
     image_loader,
     llama_tokens,
     running_stats,
@@ -128,8 +129,9 @@ def batchnorm_mode(results: dict) -> None:
 
 
 def llama_mode(results: dict) -> None:
-    for tie, lora in ((False, False), (True, False), (False, True)):
-        name = "llama_lora" if lora else f"llama_{'tied' if tie else 'untied'}"
+    for tie, lora, by_user in ((False, False, False), (True, False, False), (False, True, False), (False, False, True)):
+        name = "llama_lora" if lora else "llama_user_sharded" if by_user else f"llama_{'tied' if tie else 'untied'}"
+        lit = LitLlamaShardedByUser if by_user else LitLlama
         L.seed_everything(11, verbose=False)
         eager = LitLlama(tie, lora)
         expected = {k: v.clone() for k, v in eager.state_dict().items()}
@@ -137,7 +139,7 @@ def llama_mode(results: dict) -> None:
         L.seed_everything(11, verbose=False)
         trainer = cpu_trainer("ragged_fsdp", DEVICES, 1, enable_checkpointing=False)
         with trainer.init_module(empty_init=True):
-            model = LitLlama(tie, lora)
+            model = lit(tie, lora)
         results[f"{name}_built_on_meta"] = all(p.is_meta for p in model.parameters())
         trainer.validate(model, llama_tokens(DEVICES * BATCH, BATCH), verbose=False)
         full = full_state_dict(model)

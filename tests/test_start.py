@@ -504,9 +504,10 @@ def test_trainer_batchnorm_statistics_match_ddp(start_run: dict) -> None:
 
 def test_trainer_meta_llama_equals_eager(start_run: dict) -> None:
     """Also with LoRA adapters injected into the built model in ``__init__`` (B zero-initialized): the strategy
-    replays the recorded construction (before: the base weights differed by 0.59 and B was not zero)."""
+    replays the recorded construction (before: the base weights differed by 0.59 and B was not zero). Also with
+    the decoder layers sharded by the user in ``configure_model`` (FSDP2's pattern; before: every weight 0.0)."""
     pytest.importorskip("transformers")
-    for tie in ("untied", "tied", "lora"):
+    for tie in ("untied", "tied", "lora", "user_sharded"):
         assert start_run[f"llama_{tie}_built_on_meta"], start_run
         assert start_run[f"llama_{tie}_bitwise"] and start_run[f"llama_{tie}_diff"] == 0.0, start_run
         assert start_run[f"llama_{tie}_buffers_equal"], start_run

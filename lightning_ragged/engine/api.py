@@ -282,6 +282,7 @@ def fully_shard(
             members=group_plan.members or None,
         )
         group.mp_policy = mp_policy
+        group.uninitialized = any(p.is_meta for run in group_plan.runs for _, p in run)
         called_on = is_root or listed is not None  # FSDP2 casts the outputs of the modules a call was given
         group.output_dtype = mp_policy.output_dtype if called_on and mp_policy is not None else None
         new_groups.append(group)

@@ -58,7 +58,16 @@ from lightning_ragged.engine.shard_group import ShardGroup
 
 
 def has_meta_tensors(module: nn.Module) -> bool:
-    return any(t.is_meta for t in module.parameters()) or any(t.is_meta for t in module.buffers())
+    """Meta parameters or buffers, or uninitialized shards of meta ones (:func:`has_uninitialized_shards`)."""
+    return any(t.is_meta for t in module.parameters()) or any(t.is_meta for t in module.buffers()) \
+        or has_uninitialized_shards(module)
+
+
+def has_uninitialized_shards(module: nn.Module) -> bool:
+    """Shards an earlier ``fully_shard`` call gave storage from meta parameters, not initialized since (FSDP2's
+    flow in ``configure_model``: the shards are there, their values not)."""
+    return any(group.uninitialized for sub in module.modules() if (state := sub.__dict__.get("_ragged_fsdp_state"))
+               for group in state.all_groups)
 
 
 def shared_seed(default: int | None = None) -> int:
@@ -223,6 +232,7 @@ def materialize_meta_module(
                     owner._parameters[attr] = dbuffer_of[key].sharded_params[key[1]]
     for group in groups:  # point every module back at its shards
         group.reshard()
+        group.uninitialized = False
     return report
 
 

@@ -84,6 +84,8 @@ class ShardGroup:
         self.backward_calls = 0
         """Calls the running backward still has to finish here: the nodes it will execute, counted as it starts."""
         self.backward_prepared = False
+        self.uninitialized = False
+        """Sharded from the meta device and not yet initialized (``materialize_meta_module``, a load, a summon)."""
 
     def adopt(self, name: str) -> None:
         """A later ``fully_shard`` call on a parent took this group (FSDP2's order): a block of that model now, named

@@ -87,7 +87,7 @@ class Recording:
     def covers(self, module: nn.Module) -> bool:
         """Every meta parameter of ``module`` was made by a recorded call."""
         made = {ref.key for call in self.calls for ref in _refs(call.result) if ref.tensor.is_meta}
-        return all(_key(p) in made for p in module.parameters() if p.is_meta)
+        return all(_key(p) in made for p in map(_recorded, module.parameters()) if p.is_meta)
 
     def program(self, module: nn.Module, tied: set[tuple[int, str]]) -> "RecordedProgram":
         """Bind the calls to ``module``'s slots; call before ``fully_shard`` replaces its parameters.
@@ -102,6 +102,7 @@ class Recording:
                 for attr, tensor in table.items():
                     if tensor is None or (id(sub), attr) in tied:
                         continue
+                    tensor = _recorded(tensor)
                     if not (tensor.is_meta or _key(tensor) in touched):
                         kept.add((id(sub), attr))  # real, from outside the recording: its values stand
                         continue
@@ -262,6 +263,12 @@ def _name(func: Any) -> str:
 
 def _refs(tree: Any) -> list[Ref]:
     return [leaf for leaf in tree_flatten(tree)[0] if isinstance(leaf, Ref)]
+
+
+def _recorded(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor the recording saw in a slot: a shard made from a meta parameter (the user's ``fully_shard`` in
+    ``configure_model``, before the strategy binds the recording) stands for that parameter."""
+    return getattr(tensor, "ragged_meta_original", tensor)
 
 
 def _key(tensor: torch.Tensor) -> int:

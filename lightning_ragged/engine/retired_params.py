@@ -30,6 +30,8 @@ def retire(replaced: Iterable[tuple[str, nn.Parameter, nn.Parameter, nn.Paramete
     """
     for name, original, full, shard in replaced:
         setattr(original, _NAME, name)
+        if original.is_meta:  # a construction recorded on the meta device is bound to it (``init_record.py``)
+            shard.ragged_meta_original = original
         for hook in (getattr(original, "_backward_hooks", None) or {}).values():
             full.register_hook(hook)
         for hook in (getattr(original, "_post_accumulate_grad_hooks", None) or {}).values():

@@ -20,7 +20,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from lightning_ragged.checkpoint.dcp import release_meshes
 from lightning_ragged.engine.api import fully_shard, get_state
 from lightning_ragged.engine.init_record import Recording, bind_recordings
-from lightning_ragged.engine.meta_init import has_meta_tensors, has_uninitialized_shards, materialize_meta_module
+from lightning_ragged.engine.meta_init import has_meta_tensors, materialize_meta_module
 from lightning_ragged.engine.meta_loads import loaded_values, require_same_loads
 
 ModuleSpec = Union[type, str]
@@ -124,12 +124,7 @@ def shard_module(
     loaded = loaded_values(model) if on_meta else {}
     if on_meta:
         require_same_loads(loaded)
-    # a construction recorded by init_module is bound to the meta parameters, which the user's own fully_shard
-    # calls replaced: those models replay the structural calls (reset_parameters, Hugging Face's init) instead
-    program = bind_recordings(model, recordings) if on_meta and recordings and not has_uninitialized_shards(model) \
-        else None
-    if recordings:
-        recordings.clear()
+    program = bind_recordings(model, recordings) if on_meta and recordings else None
     for module in match_modules(model, activation_checkpointing, "activation_checkpointing"):
         from torch.distributed._composable import checkpoint
 

@@ -313,6 +313,25 @@ def test_a_restarted_job_removes_what_crashed_saves_of_other_names_left(tmp_path
         assert ck.load(last, *_fresh_pair())["step"] == 1  # and the old copy of the two-rename state
 
 
+@pytest.mark.parametrize("full", [False, True], ids=["sharded", "full"])
+def test_a_directory_that_holds_no_checkpoint_is_refused_not_replaced(tmp_path, full) -> None:
+    """A save over the user's own directory (Lightning's ``test_save_checkpoint_path_exists``): refused before
+    anything is written, its files kept (before: replaced by the checkpoint, its files deleted). An empty
+    directory and an earlier checkpoint are replaced as before."""
+    model, optimizer = _fresh()
+    outputs = tmp_path / "outputs"
+    outputs.mkdir()
+    (outputs / "notes.txt").write_text("mine")
+    with pytest.raises(FileExistsError, match="outputs is an existing directory that holds no checkpoint"):
+        ck.save(outputs, model, [optimizer], {"step": 1}, full=full)
+    assert [p.name for p in outputs.iterdir()] == ["notes.txt"] and [p.name for p in tmp_path.iterdir()] == ["outputs"]
+    target = tmp_path / "empty"
+    target.mkdir()
+    for step in (1, 2):  # over an empty directory, then over the checkpoint
+        ck.save(target, model, [optimizer], {"step": step}, full=full)
+        assert ck.load(target, *_fresh_pair())["step"] == step
+
+
 class _Crash(BaseException):
     """A crash, simulated in-process: raised from a step hook, nothing of the save runs after it."""
 

@@ -273,6 +273,17 @@ def _is_real_dir(path: Path) -> bool:
 
 
 # --------------------------------------------------------------------------- a save
+def refuse_foreign_directory(path: Path, markers: tuple[str, ...]) -> None:
+    """A save replaces what is at ``path``: a directory holding files but none of ``markers`` is not a checkpoint
+    (the user's output directory, ``default_root_dir``), so it is refused instead of deleted."""
+    if path.is_dir() and not any((path / marker).exists() for marker in markers) and any(path.iterdir()):
+        raise FileExistsError(
+            f"checkpoint path {path} is an existing directory that holds no checkpoint (none of {list(markers)}): "
+            "saving there would replace it and delete its files. Save to a new path (e.g. a file or directory "
+            "inside it), or remove it first"
+        )
+
+
 def prepare_partial(path: Path, complete_marker: str) -> Path:
     """Rank 0, at the start of a save to ``path``: an empty hidden directory to write it in.
 

@@ -249,6 +249,7 @@ class CheckpointWriter:
         # an earlier save to this path that never finished is removed; at the first save into its directory in
         # this process (no save of ours writes there yet), what crashed saves of other names left, too
         def prepare() -> None:
+            atomic_dir.refuse_foreign_directory(path, (META_FILENAME, ".metadata"))  # before anything is written
             atomic_dir.remove_leftovers_once(path.parent, checksums.MANIFEST_FILENAME)
             atomic_dir.prepare_partial(path, META_FILENAME)
 

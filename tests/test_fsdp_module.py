@@ -746,3 +746,23 @@ def test_per_block_calls_that_split_moe_blocks_by_expert_are_named(dist_pool):
     assert "adopts 2 earlier calls" in messages[0] and "_MoEBlock: 5 groups" in messages[0], messages
     assert result["one_group"] == ([], 2 + 1), result  # group_modules=(): one group per call, as FSDP2
     assert result["whole_models"] == [], result
+
+
+def check_torch_sharded_model_refused_by_the_strategy() -> str:
+    """A ``configure_model`` written for ``ModelParallelStrategy`` (torch's ``fully_shard`` on a block) under the
+    ragged_fsdp strategy: refused by name at setup (before: "'Parameter' object has no attribute '_local_tensor'"
+    at the first forward)."""
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    from lightning_ragged.lightning.sharding import shard_module
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    torch_fully_shard(model[0])
+    with pytest.raises(ValueError, match=r"2 parameters of Sequential are DTensors \(e.g. '0.weight'\).*"
+                                         r"lightning_ragged.fully_shard"):
+        shard_module(model, device=torch.device("cpu"))
+    return "refused"
+
+
+def test_a_model_sharded_by_torch_is_refused_by_the_strategy(dist_pool):
+    assert dist_pool(2).run(check_torch_sharded_model_refused_by_the_strategy) == ["refused", "refused"]

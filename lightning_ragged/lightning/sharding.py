@@ -119,6 +119,7 @@ def shard_module(
     LightningModule, whose inputs hold the targets too). ``recordings``: the strategy's init contexts'
     (``init_record.py``), replayed when they built the meta model, then emptied.
     """
+    refuse_dtensors(model)
     on_meta = has_meta_tensors(model)
     # values load_state_dict gave the meta model (meta_loads.py), named before fully_shard replaces its tensors
     loaded = loaded_values(model) if on_meta else {}
@@ -139,6 +140,22 @@ def shard_module(
     if loaded:
         model.load_state_dict(loaded, strict=False)  # after the replayed initialization: the loaded values stand
     return model
+
+
+def refuse_dtensors(model: nn.Module) -> None:
+    """Parameters that are DTensors were sharded by torch (``torch.distributed.fsdp.fully_shard``, tensor
+    parallelism), typically in ``configure_model`` written for ``ModelParallelStrategy``: refused by name (they
+    failed later as "'Parameter' object has no attribute '_local_tensor'")."""
+    from torch.distributed.tensor import DTensor
+
+    names = [name for name, param in model.named_parameters() if isinstance(param, DTensor)]
+    if names:
+        raise ValueError(
+            f"{len(names)} parameters of {type(model).__name__} are DTensors (e.g. {names[0]!r}): torch's "
+            "fully_shard (FSDP2) or tensor parallelism was applied to the model, e.g. in configure_model written for "
+            "ModelParallelStrategy. The ragged_fsdp strategy shards the model itself: remove those calls, or call "
+            "lightning_ragged.fully_shard in their place (FSDP2's arguments and order; no mesh needed)"
+        )
 
 
 def resolve_classes(model: nn.Module, specs: Sequence[ModuleSpec], knob: str) -> list[type]:

@@ -46,6 +46,11 @@ def install_hooks(state: RaggedFSDPState) -> None:
     def root_post_hook(_module: nn.Module, _args: tuple, output: Any) -> Any:
         raised = output is None and sys.exc_info()[0] is not None  # torch calls it inside its ``except``
         try:
+            if not raised and state.outermost_forward:
+                for group in state.all_groups:  # members that did not run (a forward skipping the head): done, as FSDP2
+                    if group.members_to_run:
+                        group.members_to_run.clear()
+                        output = state.post_forward(group, output)
             return state.post_forward(root_group, output) if root_group is not None else output
         finally:
             if probe is not None and not probe.done and not autograd_running():
@@ -91,10 +96,11 @@ def _hook_members(state: RaggedFSDPState, group: ShardGroup) -> None:
     """A group of several modules (blocks, or FSDP2's ``fully_shard([...])``), as FSDP2 runs one: gathered when the
     first of them starts a forward, done with forward after the last of them ends one, whatever their order."""
 
-    def pre_hook(_module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        if group.members_to_run:
-            return args, kwargs  # another member started this forward's use of the group
-        group.members_to_run = {id(member) for member in group.members}
+    def pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if group.members_to_run:  # another member started this forward's use of the group
+            return state.cast_inputs(group, args, kwargs)  # each member casts its inputs, as FSDP2's
+        # outside the model's forward (a chunked loss calls the head alone): this call is the whole use
+        group.members_to_run = {id(member) for member in group.members} if state.running else {id(module)}
         return state.pre_forward(group, args, kwargs)
 
     def post_hook(module: nn.Module, _args: tuple, output: Any) -> Any:

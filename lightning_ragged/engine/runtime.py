@@ -103,6 +103,11 @@ class RaggedFSDPState:
         return numel([g for g in self.all_groups if g.is_root]) / total if total else 0.0
 
     @property
+    def outermost_forward(self) -> bool:
+        """The root's outermost forward is running (not a nested ``self(x)`` of a ``training_step``)."""
+        return self._root_depth == 1 and not autograd_running()
+
+    @property
     def running(self) -> bool:
         """A forward or backward of this model is running: its groups' full parameters are in use."""
         return self._root_depth > 0 or self._in_backward
@@ -214,19 +219,19 @@ class RaggedFSDPState:
             self._mirror_requires_grad(group)
             again = group.forward_calls or (self._root_ran and not torch.is_grad_enabled())
             if group.is_root and group.is_unsharded and again:  # another module using a root parameter
-                return self._cast_inputs(group, args, kwargs, cast)
+                return self.cast_inputs(group, args, kwargs, cast)
             self._root_ran = self._root_ran or (group.is_root and self._root_depth > 0)
             if not group.is_root:
                 self.forward_order.record(group)
         group.use_unsharded()
         if self._in_backward:  # a recomputation (activation checkpointing) inside backward
-            args, kwargs = self._cast_inputs(group, args, kwargs, cast)
+            args, kwargs = self.cast_inputs(group, args, kwargs, cast)
             if group.untracked_calls and not group.forward_calls and torch.is_grad_enabled() \
                     and in_reentrant_recomputation():
                 args, kwargs = self._track_recomputation(group, args, kwargs)
             return args, kwargs
         self._prefetch(group, forward=True)
-        args, kwargs = self._cast_inputs(group, args, kwargs, cast)
+        args, kwargs = self.cast_inputs(group, args, kwargs, cast)
         if torch.is_grad_enabled():
             group.forward_calls += 1
             if not group.is_root:
@@ -256,15 +261,15 @@ class RaggedFSDPState:
         if not inputs:  # nothing upstream needs a gradient: no node marks the end of this call's backward
             group.untracked_calls += 1
             return args, kwargs
-        outputs = PostBackward.apply(self, group, *inputs)
-        group.backward_nodes.append(weakref.ref(outputs[0].grad_fn))
-        return replace_tensors_requiring_grad((args, kwargs), list(outputs))
+        unique = list({id(t): t for t in inputs}.values())  # one view per tensor: MHA's `query is key` still holds
+        outputs = dict(zip(map(id, unique), PostBackward.apply(self, group, *unique)))
+        group.backward_nodes.append(weakref.ref(next(iter(outputs.values())).grad_fn))
+        return replace_tensors_requiring_grad((args, kwargs), [outputs[id(t)] for t in inputs])
 
     def _track_recomputation(self, group: ShardGroup, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        """A reentrant checkpoint recomputes a call its no-grad forward left untracked: a node on its inputs now
-        marks the end of its backward (the nested one), so the group reduces and frees there, not at the end of the
-        whole backward with every other such group. Only for groups without a plain call in this step: the nested
-        backward cannot see a plain call's node, whose gradient comes later (it waits for the end then)."""
+        """A reentrant checkpoint recomputes a call its no-grad forward left untracked: a node on its inputs marks the
+        end of its (nested) backward, where the group now reduces and frees, not at the end of the whole backward.
+        Only for groups with no plain call this step: the nested backward cannot see that call's later node."""
         untracked = group.untracked_calls
         group.untracked_calls -= 1
         args, kwargs = self._register_post_backward(group, args, kwargs)
@@ -289,7 +294,7 @@ class RaggedFSDPState:
             if not target.backward_prepared and target is not group and (forward or target.unshard_in_backward):
                 target.unshard(async_op=True)
 
-    def _cast_inputs(self, group: ShardGroup, args: tuple, kwargs: dict, cast: bool = True) -> tuple[tuple, dict]:
+    def cast_inputs(self, group: ShardGroup, args: tuple, kwargs: dict, cast: bool = True) -> tuple[tuple, dict]:
         policy = group.mp_policy
         if not cast or policy is None or policy.param_dtype is None or not policy.cast_forward_inputs:
             return args, kwargs

@@ -14,6 +14,7 @@ import math
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -454,3 +455,20 @@ def test_bad_fp8_knobs_are_refused_early(dist_pool):
         lr.RaggedFSDPStrategy(fp8_all_gather=True)
     strategy = lr.RaggedFSDPStrategy(fp8_all_gather=lr.Float8AllGather(tile=64))
     assert strategy._engine_kwargs["fp8_all_gather"] == lr.Float8AllGather(tile=64)  # forwarded to fully_shard
+
+
+def check_fp8_parameter_starts_from_rank0() -> bool:
+    """A frozen fp8 parameter beside fp32 ones (torch's ``test_mixed_dtypes_no_grad_param``): ``sync_module_states``
+    gives every rank rank 0's bytes (before: gloo's scatter refused the dtype, "Invalid scalar type")."""
+    torch.manual_seed(dist.get_rank())  # every rank its own values
+    model = nn.Sequential(nn.Linear(8, 8))
+    model.register_parameter("frozen", nn.Parameter(torch.randn(16, 8).to(torch.float8_e4m3fn), requires_grad=False))
+    rank0 = model.frozen.detach().clone().view(torch.uint8)
+    dist.broadcast(rank0, src=0)
+    lr.fully_shard(model)
+    model(torch.randn(2, 8)).sum().backward()
+    return torch.equal(lr.full_state_dict(model)["frozen"].view(torch.uint8), rank0)
+
+
+def test_an_fp8_parameter_starts_from_rank0s_bytes(dist_pool):
+    assert dist_pool(2).run(check_fp8_parameter_starts_from_rank0) == [True, True]

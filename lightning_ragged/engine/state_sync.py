@@ -62,11 +62,16 @@ def scatter_from_rank0(dbuffer: DBuffer, params: Sequence[tuple[str, torch.Tenso
             with torch.no_grad():
                 for name, param in params:
                     dbuffer.full_view(full, name).copy_(param.detach())
-            scatter_list = list(full.split(segment))  # views: one flat buffer, no per-rank copy
-        dist.scatter(dbuffer.sharded, scatter_list, src=_global_rank(group, 0), group=group)
+            scatter_list = [_wire(part) for part in full.split(segment)]  # views: one flat buffer, no copy
+        dist.scatter(_wire(dbuffer.sharded), scatter_list, src=_global_rank(group, 0), group=group)
     replicate = dbuffer.replicate_group
     if replicate is not None and _size(replicate) > 1:
-        dist.broadcast(dbuffer.sharded, src=_global_rank(replicate, 0), group=replicate)
+        dist.broadcast(_wire(dbuffer.sharded), src=_global_rank(replicate, 0), group=replicate)
+
+
+def _wire(tensor: torch.Tensor) -> torch.Tensor:
+    """An fp8 tensor travels as its bytes (gloo has no fp8 type: "Invalid scalar type")."""
+    return tensor.view(torch.uint8) if tensor.is_floating_point() and tensor.element_size() == 1 else tensor
 
 
 def _preserve_versions(tensors: list[torch.Tensor]) -> contextlib.AbstractContextManager:

@@ -5,7 +5,8 @@
 The result is a plain ``torch.save`` file with ``"state_dict"`` (original names and shapes),
 ``"optimizer_states"`` and everything Lightning keeps in ``meta.pt`` (loops, callbacks,
 schedulers, hparams): ``LightningModule.load_from_checkpoint`` and ``Trainer.fit(ckpt_path=...)``
-read it with no lightning_ragged installed. Optimizer states of ``torch.optim`` optimizers are
+read it with no lightning_ragged installed. A checkpoint ``fabric.save`` wrote keeps its state's own keys
+(``"model"``, ``"optimizer"``, as Fabric's files). Optimizer states of ``torch.optim`` optimizers are
 converted back to torch's index-keyed layout; those of ``lightning_ragged.optim``
 optimizers keep their named layout (their ``load_state_dict`` accepts full states).
 
@@ -31,7 +32,7 @@ from torch.utils._pytree import key_get, tree_flatten_with_path, tree_map
 
 from lightning_ragged.checkpoint.checksums import remove_sidecar, write_sidecar
 from lightning_ragged.checkpoint.errors import CheckpointError
-from lightning_ragged.checkpoint.format import FORMAT_KEY, MODEL_KEY, MODEL_STATES_KEY
+from lightning_ragged.checkpoint.format import FORMAT_KEY, MODEL_KEY, MODEL_STATES_KEY, USER_KEYS
 from lightning_ragged.checkpoint.metadata_checks import OPTIMIZER_KEY
 from lightning_ragged.checkpoint.reader import CheckpointInfo, inspect_checkpoint
 from lightning_ragged.checkpoint.safe_unpickle import torch_load
@@ -138,7 +139,9 @@ def _load_objects(info: CheckpointInfo, keys: list[str]) -> dict[str, Any]:
 def _to_lightning_layout(nested: dict[str, Any], info: CheckpointInfo) -> tuple[dict[str, Any], Any]:
     """Lightning's single-file layout, and a function mapping a DCP path to its place in it."""
     checkpoint: dict[str, Any] = {k: v for k, v in info.meta.items() if k != FORMAT_KEY}
-    checkpoint["state_dict"] = nested.get(MODEL_KEY, {})
+    user = info.meta.get(USER_KEYS)  # fabric.save's state: its own keys, as Fabric's files (torch.load(f)["model"])
+    module_key = user["module"] if user else "state_dict"
+    checkpoint[module_key] = nested.get(MODEL_KEY, {})
     model_states = info.format.get(MODEL_STATES_KEY, [])  # e.g. WeightAveraging's "current_model_state"
     for key in model_states:
         checkpoint[key] = nested.get(key, {})
@@ -153,20 +156,22 @@ def _to_lightning_layout(nested: dict[str, Any], info: CheckpointInfo) -> tuple[
         if state.get("format") == "torch":
             state, renames[index] = _to_torch_optimizer_layout(state)
         states.append(state)
-    if count:
+    if count and user:
+        checkpoint.update(zip(user["optimizers"], states))
+    elif count:
         checkpoint["optimizer_states"] = states
     checkpoint[FORMAT_KEY] = {"consolidated_from": str(info.path), **info.format}
 
     def locate(path: tuple) -> tuple:
         head, rest = path[0], tuple(path[1:])
         if head == MODEL_KEY:
-            return ("state_dict", *rest)
+            return (module_key, *rest)
         if head in model_states or head in others:
             return (head, *rest)
         index = int(str(head).split("_", 1)[1])
         if index in renames and len(rest) >= 2 and rest[0] == "state":
             rest = ("state", renames[index][rest[1]], *rest[2:])
-        return ("optimizer_states", index, *rest)
+        return (user["optimizers"][index], *rest) if user else ("optimizer_states", index, *rest)
 
     return checkpoint, locate
 

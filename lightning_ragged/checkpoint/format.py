@@ -31,5 +31,8 @@ META_FILENAME = "meta.pt"  # Lightning's `_METADATA_FILENAME`: its consolidation
 MODEL_KEY = "model"
 MODEL_STATE_KEYS = ("current_model_state",)
 """Top-level checkpoint keys holding another state of the model (sharded: written by DCP, not to meta.pt)."""
+USER_KEYS = "fabric_state"
+"""meta.pt's record of a ``fabric.save`` state's own keys: ``{"module": key, "optimizers": [key, ...]}`` (optimizer
+``i`` is the i-th); a single file made from such a checkpoint keeps those keys, as Fabric's own files do."""
 MODEL_STATES_KEY = "model_states"
 """The format record's list of the extra top-level keys holding a model state in DCP."""

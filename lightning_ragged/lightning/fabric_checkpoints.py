@@ -20,7 +20,7 @@ from lightning.fabric.utilities.types import _Stateful
 from torch import nn
 from torch.optim import Optimizer
 
-from lightning_ragged.checkpoint.format import FORMAT_KEY, MODEL_KEY, MODEL_STATES_KEY
+from lightning_ragged.checkpoint.format import FORMAT_KEY, MODEL_KEY, MODEL_STATES_KEY, USER_KEYS
 from lightning_ragged.checkpoint.model_state import (
     expected_model_shapes,
     load_full_model_state_dict,
@@ -36,9 +36,7 @@ from lightning_ragged.checkpoint.single_file import read_file, rest_of_file
 from lightning_ragged.lightning.checkpoint_io import LightningCheckpointIO
 from lightning_ragged.lightning.weight_averaging import ShardAveragedModel
 
-STATE_KEYS = "fabric_state"
-"""meta.pt's record of the user's keys: ``{"module": key, "optimizers": [key, ...]}`` (optimizer ``i`` is the i-th)."""
-_RESERVED = re.compile(rf"(state_dict|{MODEL_KEY}|optimizer_states|optimizer_\d+|{FORMAT_KEY}|{STATE_KEYS})")
+_RESERVED = re.compile(rf"(state_dict|{MODEL_KEY}|optimizer_states|optimizer_\d+|{FORMAT_KEY}|{USER_KEYS})")
 
 State = Mapping[str, Any]
 Filter = Optional[Mapping[str, Callable[[str, Any], bool]]]
@@ -77,7 +75,7 @@ def save(io: LightningCheckpointIO, path: Union[str, os.PathLike], state: State,
                   checkpoint)
     for index, key in enumerate(optimizer_keys):
         checkpoint[f"optimizer_{index}"] = io.optimizer_state(module, state[key])
-    checkpoint[STATE_KEYS] = {"module": module_key, "optimizers": optimizer_keys}
+    checkpoint[USER_KEYS] = {"module": module_key, "optimizers": optimizer_keys}
     io.save(checkpoint, path, model_states=averages)
 
 
@@ -108,10 +106,10 @@ def load(
                 f"fabric.load({str(path)!r}) needs the state to restore in place ({{'model': model, ...}}): "
                 "a sharded checkpoint directory has no whole tensors to return"
             )
-        return {k: v for k, v in read_file(path, weights_only, **trust).items() if k != FORMAT_KEY}
+        return {k: v for k, v in read_file(path, weights_only, **trust).items() if k not in (FORMAT_KEY, USER_KEYS)}
     if isinstance(state, nn.Module):
         if path.is_file():
-            checkpoint = read_file(path, weights_only, **trust)
+            checkpoint = _in_our_layout(read_file(path, weights_only, **trust), MODEL_KEY, [])
             if FORMAT_KEY in checkpoint:  # our own full checkpoint: its model
                 checkpoint = checkpoint.get("state_dict", checkpoint.get(MODEL_KEY, {}))
             load_full_model_state_dict(state, checkpoint, strict=strict, source=path)
@@ -130,7 +128,7 @@ def load(
         saved_optimizers = info.optimizer_count
         for key in set(averages) & set(info.format.get(MODEL_STATES_KEY, [])):  # in place, from any layout
             rest[key] = load_in_place(info, key, state[key].state_dict())
-    record = rest.pop(STATE_KEYS, None) or {"module": module_key, "optimizers": optimizer_keys[:saved_optimizers]}
+    record = rest.pop(USER_KEYS, None) or {"module": module_key, "optimizers": optimizer_keys[:saved_optimizers]}
     _validate_keys_for_strict_loading(state, {record["module"], *record["optimizers"], *rest}, strict)
     indices = {record["optimizers"].index(key): state[key] for key in optimizer_keys if key in record["optimizers"]}
     if module_key == record["module"]:
@@ -158,15 +156,19 @@ def load(
 
 
 def _in_our_layout(checkpoint: dict[str, Any], module_key: str, optimizer_keys: list[str]) -> dict[str, Any]:
-    """A file ``fabric.save`` wrote under another strategy (DDP: tested) holds the user's keys: the module's state
-    dict under ``module_key``, each optimizer's torch state dict under its key. Put them where our files (and the
-    Trainer's) hold them, with the record of the keys, so both load alike."""
-    if FORMAT_KEY in checkpoint or "state_dict" in checkpoint or module_key not in checkpoint:
+    """A file ``fabric.save`` wrote (ours, with the record of its keys; or under another strategy, DDP: tested) holds
+    the user's keys: the module's state dict under ``module_key``, each optimizer's torch state dict under its key.
+    Put them where the Trainer's files hold them, with the record of the keys, so both load alike."""
+    record = checkpoint.get(USER_KEYS)
+    if record is not None and "state_dict" not in checkpoint and record["module"] in checkpoint:
+        module_key, saved = record["module"], list(record["optimizers"])
+    elif FORMAT_KEY in checkpoint or "state_dict" in checkpoint or module_key not in checkpoint:
         return checkpoint
-    saved = [key for key in optimizer_keys if key in checkpoint]
+    else:
+        saved = [key for key in optimizer_keys if key in checkpoint]
     ours = {key: value for key, value in checkpoint.items() if key != module_key and key not in saved}
     ours.update({"state_dict": checkpoint[module_key], "optimizer_states": [checkpoint[key] for key in saved],
-                 STATE_KEYS: {"module": module_key, "optimizers": saved}})
+                 USER_KEYS: {"module": module_key, "optimizers": saved}})
     return ours
 
 

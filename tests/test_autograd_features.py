@@ -7,6 +7,7 @@ and what FSDP2 does not honour but DDP does: gradient hooks registered before sh
 from __future__ import annotations
 
 import warnings
+from typing import Callable
 
 import pytest
 import torch
@@ -144,8 +145,10 @@ class _Revisits(torch.nn.Module):
         return self.head(x)
 
 
-def check_block_called_again(order: tuple[int, ...], per_block: bool, reentrant: tuple[int, ...] = ()) -> dict:
-    """Training with a block called on the raw input and again later, against one process on the global batch."""
+def _train_beside_one_process(order: tuple[int, ...], per_block: bool, reentrant: tuple[int, ...] = (),
+                              watch: Callable[[_Revisits], None] | None = None) -> float:
+    """Train ``_Revisits`` sharded (``watch`` sees it after sharding) and on one process on the global batch; the
+    largest parameter difference."""
     torch.manual_seed(0)
     reference = _Revisits(order, reentrant)
     torch.manual_seed(0)
@@ -154,6 +157,8 @@ def check_block_called_again(order: tuple[int, ...], per_block: bool, reentrant:
         for block in sharded.blocks:
             lr.fully_shard(block)
     lr.fully_shard(sharded)
+    if watch is not None:
+        watch(sharded)
     optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (reference, sharded)]
     data = torch.randn(STEPS, BATCH, 8, generator=torch.Generator().manual_seed(1))
     for step in range(STEPS):
@@ -162,7 +167,12 @@ def check_block_called_again(order: tuple[int, ...], per_block: bool, reentrant:
         for optimizer in optimizers:
             optimizer.step()
             optimizer.zero_grad()
-    return {"diff": _params_diff(sharded, reference)}
+    return _params_diff(sharded, reference)
+
+
+def check_block_called_again(order: tuple[int, ...], per_block: bool, reentrant: tuple[int, ...] = ()) -> dict:
+    """Training with a block called on the raw input and again later, against one process on the global batch."""
+    return {"diff": _train_beside_one_process(order, per_block, reentrant)}
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
@@ -185,31 +195,20 @@ def check_every_block_under_a_reentrant_checkpoint(per_block: bool) -> dict:
     """Blocks 1 and 2 under a reentrant checkpoint (block 0 plain: a checkpoint whose inputs need no gradient is
     never recomputed): trains as one process, and when block 1 is recomputed block 2's group is already reduced
     and resharded, as after a plain call."""
-    torch.manual_seed(0)
-    reference = _Revisits((0, 1, 2), (1, 2))
-    torch.manual_seed(0)
-    sharded = _Revisits((0, 1, 2), (1, 2))
-    if per_block:
-        for block in sharded.blocks:
-            lr.fully_shard(block)
-    lr.fully_shard(sharded)
-    later = [g for g in lr.get_state(sharded).all_groups if g.module is sharded.blocks[2]]
+    later: list = []
     held: list[int] = []
 
-    def at_recomputation(_module: torch.nn.Module, _args: tuple) -> None:
-        if torch._C._current_graph_task_id() != -1:
-            held.append(sum(g.is_unsharded for g in later))
+    def watch(sharded: _Revisits) -> None:
+        later.extend(g for g in lr.get_state(sharded).all_groups if g.module is sharded.blocks[2])
 
-    sharded.blocks[1].register_forward_pre_hook(at_recomputation)
-    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (reference, sharded)]
-    data = torch.randn(STEPS, BATCH, 8, generator=torch.Generator().manual_seed(1))
-    for step in range(STEPS):
-        reference(data[step]).pow(2).mean().backward()
-        sharded(_local(data[step])).pow(2).mean().backward()
-        for optimizer in optimizers:
-            optimizer.step()
-            optimizer.zero_grad()
-    return {"diff": _params_diff(sharded, reference), "groups": len(later), "held": held}
+        def at_recomputation(_module: torch.nn.Module, _args: tuple) -> None:
+            if torch._C._current_graph_task_id() != -1:
+                held.append(sum(g.is_unsharded for g in later))
+
+        sharded.blocks[1].register_forward_pre_hook(at_recomputation)
+
+    diff = _train_beside_one_process((0, 1, 2), per_block, (1, 2), watch)
+    return {"diff": diff, "groups": len(later), "held": held}
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)

@@ -41,6 +41,7 @@ PARTS = [
     ("scale_sim", "benchmarks/scale_sim.py", "fully_shard itself at 1,024 and 10,000 ranks on the fake process group"),
     ("observability", "benchmarks/observability_bench.py", "metrics overhead on step time"),
     ("generate", "benchmarks/generate_bench.py", "all-gathers per no-grad generate: fully_shard vs FSDP2"),
+    ("checkpointing", "benchmarks/checkpointing_bench.py", "peak live bytes under activation checkpointing vs FSDP2"),
     ("memory-floor", "benchmarks/memory_floor_bench.py", "peak live bytes, embedding in a group of its own"),
     ("step-floor", "benchmarks/step_floor_bench.py", "fp32 step time over no communication, and bytes sent"),
     ("ema", "benchmarks/ema_bench.py", "an EMA of the weights: the shard average vs AveragedModel under DDP"),

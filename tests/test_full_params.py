@@ -181,3 +181,40 @@ def test_summon_full_params_with_grads_gives_one_process_gradients(dist_pool, wo
                 shape, diff = got
                 assert shape == result["shapes"][name] and diff <= 1e-6, (name, got)  # fp32 means of 2-3 parts
         assert result["unchanged"]
+
+
+def check_loaded_after_user_sharding_stands(how: str) -> dict:
+    """FSDP2's ``configure_model`` flow on the meta device: the user shards each layer, ``to_empty``, then loads
+    (torch's ``load_state_dict``, or one layer only); the strategy's setup (``shard_module``) initializes what
+    nothing wrote and keeps what was loaded (before this session's fix: zeros kept; a first fix re-initialized the
+    loaded layers too, found by review)."""
+    from lightning_ragged.lightning.sharding import shard_module
+
+    def build() -> nn.Module:
+        return nn.Sequential(nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8)))
+
+    torch.manual_seed(0)
+    pretrained = {k: v + 1.0 for k, v in build().state_dict().items()}  # not what an initialization draws
+    with torch.device("meta"):
+        model = build()
+    for layer in model[0]:
+        lr.fully_shard(layer)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # to_empty's "uninitialized" warning
+        model.to_empty(device="cpu")
+    if how == "all":
+        model.load_state_dict(pretrained)
+    else:  # the first layer only
+        lr.load_full_state_dict(model[0][0], {k[4:]: v for k, v in pretrained.items() if k.startswith("0.0.")})
+    shard_module(model, device=torch.device("cpu"))
+    full = lr.full_state_dict(model)
+    loaded = [k for k in pretrained if how == "all" or k.startswith("0.0.")]
+    return {"loaded_kept": max((full[k] - pretrained[k]).abs().max().item() for k in loaded),
+            "others_initialized": all(full[k].abs().sum() > 0 and (full[k] - pretrained[k]).abs().max() > 0.5
+                                      for k in pretrained if k not in loaded)}
+
+
+@pytest.mark.parametrize("how", ["all", "one-layer"])
+def test_weights_loaded_after_user_sharding_on_meta_stand(dist_pool, how):
+    for result in dist_pool(2).run(check_loaded_after_user_sharding_stands, how):
+        assert result["loaded_kept"] == 0.0 and result["others_initialized"], result

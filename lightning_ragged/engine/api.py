@@ -241,7 +241,7 @@ def fully_shard(
     slots_by_param = parameter_slots(target)
     partial_group = partial_group_of(process_group, reshard_after_forward)
 
-    new_groups = []
+    new_groups, meta_built = [], []
     built: list[tuple[DBuffer, list[tuple[str, nn.Parameter]]]] = []
     for group_plan in group_plans:
         dbuffers, slots = [], []
@@ -282,7 +282,8 @@ def fully_shard(
             members=group_plan.members or None,
         )
         group.mp_policy = mp_policy
-        group.uninitialized = any(p.is_meta for run in group_plan.runs for _, p in run)
+        if any(p.is_meta for run in group_plan.runs for _, p in run):
+            meta_built.append(group)
         called_on = is_root or listed is not None  # FSDP2 casts the outputs of the modules a call was given
         group.output_dtype = mp_policy.output_dtype if called_on and mp_policy is not None else None
         new_groups.append(group)
@@ -303,6 +304,8 @@ def fully_shard(
     state.max_inflight_all_gathers = max_inflight_all_gathers
     for group in new_groups:
         group.reshard()
+    for group in meta_built:
+        group.mark_uninitialized()
     if listed is None:
         install_hooks(state)
     else:

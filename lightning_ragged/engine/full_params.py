@@ -62,7 +62,6 @@ def close_full(group: ShardGroup, views: dict[tuple[int, str], torch.Tensor], ke
     if keep:
         for dbuffer in group.dbuffers:
             dbuffer.sharded.copy_(views[(id(dbuffer), "")][dbuffer.segment])
-        group.uninitialized = False  # initialized by the user (to_empty, then init_weights inside the summon)
     group.reshard()
     views.clear()
 

@@ -232,7 +232,6 @@ def materialize_meta_module(
                     owner._parameters[attr] = dbuffer_of[key].sharded_params[key[1]]
     for group in groups:  # point every module back at its shards
         group.reshard()
-        group.uninitialized = False
     return report
 
 

@@ -84,8 +84,22 @@ class ShardGroup:
         self.backward_calls = 0
         """Calls the running backward still has to finish here: the nodes it will execute, counted as it starts."""
         self.backward_prepared = False
-        self.uninitialized = False
-        """Sharded from the meta device and not yet initialized (``materialize_meta_module``, a load, a summon)."""
+        self._meta_versions: list[int] | None = None
+        """Sharded from the meta device: each shard's version then (``uninitialized``)."""
+
+    def mark_uninitialized(self) -> None:
+        """Made from meta parameters: its shards have storage, not values, until something writes them."""
+        self._meta_versions = [dbuffer.sharded._version for dbuffer in self.dbuffers]
+
+    @property
+    def from_meta(self) -> bool:
+        return self._meta_versions is not None
+
+    @property
+    def uninitialized(self) -> bool:
+        """Made from meta parameters and no shard written since: no load (``load_state_dict``, DCP, a full state
+        dict), initialization (materialization, a summon) or step moved their version counters."""
+        return self.from_meta and all(b.sharded._version == v for b, v in zip(self.dbuffers, self._meta_versions))
 
     def adopt(self, name: str) -> None:
         """A later ``fully_shard`` call on a parent took this group (FSDP2's order): a block of that model now, named

@@ -152,8 +152,6 @@ def load_full_state_dict(
     per_dbuffer: dict[int, tuple[DBuffer, dict[str, str]]] = {}
     for key, (dbuffer, name) in sharded_params(module).items():
         per_dbuffer.setdefault(id(dbuffer), (dbuffer, {}))[1][name] = key
-    for group in get_state(module).all_groups:  # loaded: a setup's meta initialization must not overwrite it
-        group.uninitialized &= not any(id(b) in per_dbuffer for b in group.dbuffers)
     if not broadcast_from_rank0:
         for dbuffer, tensor_keys in per_dbuffer.values():
             load_full(dbuffer, {name: state_dict[key] for name, key in tensor_keys.items()})

@@ -136,7 +136,13 @@ def shard_module(
     fully_shard(model, group_modules=classes, device=device, **fully_shard_kwargs)
     get_state(model).cast_root_inputs = cast_root_inputs
     if on_meta:
+        # layers the user sharded from meta and then loaded or initialized (load_state_dict, DCP, summon) keep that
+        written = [(b, b.sharded.clone()) for g in get_state(model).all_groups if g.from_meta and not g.uninitialized
+                   for b in g.dbuffers]
         materialize_meta_module(model, device, program=program)
+        with torch.no_grad():
+            for dbuffer, values in written:
+                dbuffer.sharded.copy_(values)
     if loaded:
         model.load_state_dict(loaded, strict=False)  # after the replayed initialization: the loaded values stand
     return model

@@ -459,15 +459,23 @@ def test_bad_fp8_knobs_are_refused_early(dist_pool):
 
 def check_fp8_parameter_starts_from_rank0() -> bool:
     """A frozen fp8 parameter beside fp32 ones (torch's ``test_mixed_dtypes_no_grad_param``): ``sync_module_states``
-    gives every rank rank 0's bytes (before: gloo's scatter refused the dtype, "Invalid scalar type")."""
+    gives every rank rank 0's bytes, and the rank-0 full state dict, its broadcast load and an fp8 buffer's
+    broadcast carry them (before: gloo refused the dtype in each, "Invalid scalar type")."""
     torch.manual_seed(dist.get_rank())  # every rank its own values
     model = nn.Sequential(nn.Linear(8, 8))
     model.register_parameter("frozen", nn.Parameter(torch.randn(16, 8).to(torch.float8_e4m3fn), requires_grad=False))
     rank0 = model.frozen.detach().clone().view(torch.uint8)
     dist.broadcast(rank0, src=0)
+    model.register_buffer("scale", torch.randn(4).to(torch.float8_e4m3fn))  # broadcast from rank 0 at each step
     lr.fully_shard(model)
     model(torch.randn(2, 8)).sum().backward()
-    return torch.equal(lr.full_state_dict(model)["frozen"].view(torch.uint8), rank0)
+    model(torch.randn(2, 8))
+    full = lr.full_state_dict(model)["frozen"].view(torch.uint8)
+    on_rank0 = lr.full_state_dict(model, rank0_only=True)  # dist.gather
+    lr.load_full_state_dict(model, on_rank0, broadcast_from_rank0=True)  # a broadcast of each flat DBuffer
+    again = lr.full_state_dict(model)["frozen"].view(torch.uint8)
+    return torch.equal(full, rank0) and torch.equal(again, rank0) and (dist.get_rank() > 0 or torch.equal(
+        on_rank0["frozen"].view(torch.uint8), rank0))
 
 
 def test_an_fp8_parameter_starts_from_rank0s_bytes(dist_pool):

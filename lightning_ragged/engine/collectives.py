@@ -255,6 +255,11 @@ def run_all_reduce_hook(
     return segment
 
 
+def wire(tensor: torch.Tensor) -> torch.Tensor:
+    """An fp8 tensor as its bytes, for a collective of a backend without fp8 types (gloo: "Invalid scalar type")."""
+    return tensor.view(torch.uint8) if tensor.is_floating_point() and tensor.element_size() == 1 else tensor
+
+
 def host_tensor(values: Sequence[float], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Small host data (flags, marks) as a tensor on ``device`` for a collective, without a host sync.
 

@@ -116,7 +116,8 @@ def _gather_full(
     if receives or not gather:
         full = torch.empty(dbuffer.full_numel, dtype=dbuffer.master_dtype, device=dbuffer.device)
     if gather:
-        dist.gather(dbuffer.sharded, list(full.chunk(dbuffer.world_size)) if receives else None, dst=0, group=group)
+        parts = [collectives.wire(part) for part in full.chunk(dbuffer.world_size)] if receives else None
+        dist.gather(collectives.wire(dbuffer.sharded), parts, dst=0, group=group)
     else:
         collectives.all_gather(full, dbuffer.sharded, group, mode=dbuffer.gather_mode)
     out = {}
@@ -170,7 +171,7 @@ def _broadcast_flat(dbuffer: DBuffer, state_dict: dict[str, torch.Tensor], tenso
         views[name] = dbuffer.full_view(flat, name)
         if dist.get_rank() == 0:
             views[name].copy_(state_dict[key])
-    dist.broadcast(flat, src=0)
+    dist.broadcast(collectives.wire(flat), src=0)
     return views
 
 

@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_ragged.engine.collectives import wire
 from lightning_ragged.engine.dbuffer import DBuffer
 
 BROADCAST_CHUNK_BYTES = 250 * 2**20
@@ -62,16 +63,11 @@ def scatter_from_rank0(dbuffer: DBuffer, params: Sequence[tuple[str, torch.Tenso
             with torch.no_grad():
                 for name, param in params:
                     dbuffer.full_view(full, name).copy_(param.detach())
-            scatter_list = [_wire(part) for part in full.split(segment)]  # views: one flat buffer, no copy
-        dist.scatter(_wire(dbuffer.sharded), scatter_list, src=_global_rank(group, 0), group=group)
+            scatter_list = [wire(part) for part in full.split(segment)]  # views: one flat buffer, no copy
+        dist.scatter(wire(dbuffer.sharded), scatter_list, src=_global_rank(group, 0), group=group)
     replicate = dbuffer.replicate_group
     if replicate is not None and _size(replicate) > 1:
-        dist.broadcast(_wire(dbuffer.sharded), src=_global_rank(replicate, 0), group=replicate)
-
-
-def _wire(tensor: torch.Tensor) -> torch.Tensor:
-    """An fp8 tensor travels as its bytes (gloo has no fp8 type: "Invalid scalar type")."""
-    return tensor.view(torch.uint8) if tensor.is_floating_point() and tensor.element_size() == 1 else tensor
+        dist.broadcast(wire(dbuffer.sharded), src=_global_rank(replicate, 0), group=replicate)
 
 
 def _preserve_versions(tensors: list[torch.Tensor]) -> contextlib.AbstractContextManager:
@@ -117,7 +113,7 @@ class BufferSync:
         with torch.no_grad(), _preserve_versions(buffers):
             for group in self.groups:
                 if _size(group) > 1:
-                    dist._broadcast_coalesced(group or _world(), buffers, self.chunk_bytes, 0)
+                    dist._broadcast_coalesced(group or _world(), [wire(b) for b in buffers], self.chunk_bytes, 0)
         self.broadcasts += 1
 
 

@@ -26,6 +26,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint._state_dict_stager import StateDictStager
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.utils._pytree import tree_leaves
 
 from lightning_ragged.checkpoint import atomic_dir, checksums, safe_unpickle
@@ -143,6 +144,13 @@ class PendingSave:
             actions, self._after_publish = self._after_publish, []
         for action in actions:
             action()
+
+
+def _planner() -> DefaultSavePlanner:
+    """What every rank holds whole (buffers such as BatchNorm's running statistics, which ranks update apart
+    between the broadcasts before each synchronized forward) is written from rank 0, as DDP saves rank 0's
+    and the next forward broadcasts them; DCP's default writes each from the least-loaded rank."""
+    return DefaultSavePlanner(dedup_save_to_lowest_rank=True)
 
 
 class CheckpointWriter:
@@ -281,7 +289,7 @@ class CheckpointWriter:
         writer = _storage_writer(tmp, compress)
         if not async_save:
             with translating("dcp.save"), quiet_without_process_group():
-                dcp.save(tensors, storage_writer=writer)
+                dcp.save(tensors, storage_writer=writer, planner=_planner())
             with translating("barrier after writing the shards"):
                 barrier()  # every rank's files are complete (DCP's .metadata is written by rank 0 last)
             _settle(_attempt(finish), path, "publishing",
@@ -293,7 +301,8 @@ class CheckpointWriter:
             self._async_group = dist.new_group(backend="gloo", **({"timeout": timeout} if timeout else {}))
         staged = self._stage(tensors)
         future = dcp.async_save(
-            staged, storage_writer=writer, process_group=self._async_group, async_stager=_AlreadyStaged()
+            staged, storage_writer=writer, planner=_planner(), process_group=self._async_group,
+            async_stager=_AlreadyStaged(),
         )
         # DCP's rank 0 finishes (writes .metadata) only after every rank's data is written,
         # so rank 0 may publish the directory as soon as its own future completes.

@@ -324,11 +324,12 @@ def _generation_gathers() -> dict:
     with torch.no_grad():
         expected = make_llama().generate(prompt, **kwargs)
     result = {}
-    for variant in ("default", "kept", "unsharded_first"):
+    for variant in ("default", "explicit_true", "kept", "unsharded_first"):
         model = make_llama()
+        given = {} if variant == "default" else {"reshard_after_forward": variant == "explicit_true"}
         for layer in model.model.layers:
-            lr.fully_shard(layer, reshard_after_forward=variant == "default")
-        lr.fully_shard(model, reshard_after_forward=variant == "default")
+            lr.fully_shard(layer, **given)
+        lr.fully_shard(model, **given)
         if variant == "unsharded_first":
             for module in model.modules():
                 if isinstance(module, lr.FSDPModule):
@@ -340,18 +341,42 @@ def _generation_gathers() -> dict:
         result[variant] = (state.stats.all_gathers - before, same)
         result[f"{variant}_shards_at_rest"] = all(hasattr(p, "ragged_shard") for p in model.parameters())
     result["dbuffers"] = len(list(state.dbuffers()))
+    result["root_dbuffers"] = len(state.root_group.dbuffers)  # the embedding before the layers, norm and head after
+    result["layers"] = len(model.model.layers)
+    fsdp2 = make_llama()  # the oracle: torch's FSDP2 with the same calls and its defaults
+    for layer in fsdp2.model.layers:
+        torch.distributed.fsdp.fully_shard(layer)
+    torch.distributed.fsdp.fully_shard(fsdp2)
+    with torch.no_grad(), _AllGatherCounter() as counter:
+        same = torch.equal(fsdp2.generate(prompt, **kwargs), expected)
+    result["fsdp2_default"] = (counter.count, same)
     return result
+
+
+class _AllGatherCounter(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the all-gathers FSDP2 issues (c10d's ``_allgather_base_`` on gloo)."""
+
+    count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+        self.count += func._overloadpacket.__name__ == "_allgather_base_"
+        return func(*args, **(kwargs or {}))
 
 
 def test_generate_gathers_each_buffer_once_per_forward_or_keeps_it(dist_pool) -> None:
     # before: a no-grad forward's head re-gathered the first block, unused (5 of 4 per forward), and
     # reshard_after_forward=False and unshard() were dropped after every no-grad forward (34 and 30, not 4 and 0)
+    # FSDP2's default keeps its root across no-grad forwards (gathered once per generate); ours did not (6 gathers
+    # of the root's 2 DBuffers, not 1 each: +50% bytes on a model whose root is its embedding and head)
     for result in dist_pool(2).run(_generation_gathers):
-        per_forward = result["dbuffers"]
-        assert result["default"] == (6 * per_forward, True), result
+        per_forward, root, layers = result["dbuffers"], result["root_dbuffers"], result["layers"]
+        assert result["fsdp2_default"] == (6 * layers + 1, True), result
+        assert result["default"] == (6 * (per_forward - root) + root, True), result
+        assert result["explicit_true"] == (6 * per_forward, True), result
         assert result["kept"] == (per_forward, True), result
         assert result["unsharded_first"] == (0, True), result
-        assert all(result[f"{variant}_shards_at_rest"] for variant in ("default", "kept", "unsharded_first")), result
+        variants = ("default", "explicit_true", "kept", "unsharded_first")
+        assert all(result[f"{variant}_shards_at_rest"] for variant in variants), result
 
 
 def _rank_local_generation(impl: str, dropped_forward: bool = False) -> dict:
@@ -652,3 +677,30 @@ def test_moe_with_experts_unused_on_a_rank_matches_single_process(dist_pool, kin
         assert all(len(experts) < result["num_experts"] for experts in result["routed"].values()), result
         assert result["params_moved"] > 1e-3, result
         assert result["param_diff"] <= FP32_TOL, {k: v for k, v in result.items() if k != "routed"}
+
+
+def _resize_after_sharding() -> dict:
+    import lightning_ragged as lr
+    from tests.hf_models import make_llama
+
+    model = make_llama()
+    lr.fully_shard(model)
+    try:
+        model.resize_token_embeddings(301)
+        message = ""
+    except RuntimeError as error:
+        message = str(error)
+    vocab = model.config.vocab_size
+    resized_first = make_llama()
+    resized_first.resize_token_embeddings(301)
+    lr.fully_shard(resized_first)
+    global_shape = tuple(resized_first.get_input_embeddings().weight.ragged_shard.global_shape)
+    return {"message": message, "vocab": vocab, "resized_first": global_shape}
+
+
+def test_resize_token_embeddings_after_sharding_is_refused_with_the_fix(dist_pool) -> None:
+    # transformers read the 1-D shard's shape: "not enough values to unpack (expected 2, got 1)"
+    for result in dist_pool(2).run(_resize_after_sharding):
+        assert "resize_token_embeddings after fully_shard" in result["message"], result
+        assert "before lightning_ragged.fully_shard" in result["message"], result
+        assert result["vocab"] != 301 and result["resized_first"][0] == 301, result

@@ -339,17 +339,29 @@ def make_save_pretrained_gather(root: nn.Module) -> None:
 
 
 def _subclass(cls: type, fsdp: bool) -> type:
-    """``cls`` remembering itself as ``_ragged_original``, with the gathering ``save_pretrained`` for a
-    ``transformers`` model; ``fsdp``: also an :class:`FSDPModule`, named ``RaggedFSDP<Class>`` (made once per class)."""
+    """``cls`` remembering itself as ``_ragged_original``, with the gathering ``save_pretrained`` and a refused
+    ``resize_token_embeddings`` for a ``transformers`` model; ``fsdp``: also an :class:`FSDPModule`, named ``RaggedFSDP<Class>`` (made once per class)."""
     new_cls = _SUBCLASSES.get((cls, fsdp))
     if new_cls is None:
         namespace: dict[str, Any] = {"__module__": cls.__module__, "_ragged_original": cls}
         if callable(getattr(cls, "save_pretrained", None)):
             namespace["save_pretrained"] = _sharded_save_pretrained
+        if callable(getattr(cls, "resize_token_embeddings", None)):
+            namespace["resize_token_embeddings"] = _refused_resize_token_embeddings
         bases = (FSDPModule, cls) if fsdp else (cls,)
         new_cls = type(f"RaggedFSDP{cls.__name__}" if fsdp else cls.__name__, bases, namespace)
         _SUBCLASSES[cls, fsdp] = new_cls
     return new_cls
+
+
+def _refused_resize_token_embeddings(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """``transformers``' resize reads the embedding's 2-D shape, which a sharded model holds as 1-D shards."""
+    raise RuntimeError(
+        f"{type(self)._ragged_original.__name__}.resize_token_embeddings after fully_shard: its embedding is held as "
+        "1-D shards that cannot be resized in place. Resize before sharding: call model.resize_token_embeddings(...) "
+        "before lightning_ragged.fully_shard (under the Trainer: in configure_model or __init__, which run before "
+        "the strategy shards)"
+    )
 
 
 def _sharded_save_pretrained(self: nn.Module, save_directory: Any, *args: Any, **kwargs: Any) -> None:

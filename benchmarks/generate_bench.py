@@ -3,9 +3,10 @@
 Two gloo processes build the same ``transformers`` Llama from a config (random init, nothing
 downloaded), shard each decoder layer and then the root (FSDP2's per-layer pattern) with
 lightning_ragged's ``fully_shard`` and with torch's FSDP2, and run greedy ``generate`` of
-``NEW_TOKENS`` tokens under ``torch.no_grad`` (one forward per token, KV cache on) in two settings:
-the default (every forward gathers what it uses and frees it) and ``reshard_after_forward=False``
-(the full parameters kept across the forwards: what generation wants when memory allows). The four
+``NEW_TOKENS`` tokens under ``torch.no_grad`` (one forward per token, KV cache on) in three settings
+of ``reshard_after_forward``: ``None``, both frameworks' default (the layers gathered and freed every
+forward, the root's groups kept), ``True`` (everything gathered and freed every forward) and ``False``
+(the full parameters kept across the forwards: what generation wants when memory allows). The six
 variants run in rounds, the order rotating each round; reported are the all-gathers and bytes
 gathered per ``generate`` (counts: noise cannot move them; ours from the engine's ``CommStats``,
 FSDP2's from the c10d all-gathers it issues) and the median time with its ratio.
@@ -37,7 +38,8 @@ from report import write_section  # noqa: E402
 import lightning_ragged as lr  # noqa: E402
 
 LAYERS, WIDTH, VOCAB, PROMPT, NEW_TOKENS = 4, 256, 2048, 16, 16
-VARIANTS = [(impl, keep) for impl in ("lightning_ragged", "fsdp2") for keep in (False, True)]
+SETTINGS = (None, True, False)
+VARIANTS = [(impl, setting) for impl in ("lightning_ragged", "fsdp2") for setting in SETTINGS]
 
 
 def _llama() -> torch.nn.Module:
@@ -67,17 +69,17 @@ class _Fsdp2Gathers(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _shard(impl: str, keep: bool) -> torch.nn.Module:
+def _shard(impl: str, setting: bool | None) -> torch.nn.Module:
     model = _llama()
     if impl == "lightning_ragged":
         for layer in model.model.layers:
-            lr.fully_shard(layer, reshard_after_forward=not keep)
-        return lr.fully_shard(model, reshard_after_forward=not keep)
+            lr.fully_shard(layer, reshard_after_forward=setting)
+        return lr.fully_shard(model, reshard_after_forward=setting)
     from torch.distributed.fsdp import fully_shard
 
     for layer in model.model.layers:
-        fully_shard(layer, reshard_after_forward=not keep)
-    return fully_shard(model, reshard_after_forward=not keep)
+        fully_shard(layer, reshard_after_forward=setting)
+    return fully_shard(model, reshard_after_forward=setting)
 
 
 def _generate(model: torch.nn.Module, prompt: torch.Tensor) -> torch.Tensor:
@@ -94,7 +96,7 @@ def worker(rank: int, init_file: str, rounds: int, out: str) -> None:
     models = {variant: _shard(*variant) for variant in VARIANTS}
     counts, times, same = {}, {variant: [] for variant in VARIANTS}, {}
     for variant, model in models.items():  # warm-up, counts, tokens against the unsharded model
-        impl, keep = variant
+        impl = variant[0]
         if impl == "lightning_ragged":
             stats = lr.get_state(model).stats
             gathers, gathered = stats.all_gathers, stats.all_gather_bytes
@@ -126,7 +128,7 @@ def render(result: dict, rounds: int, wall: float) -> str:
         "Written by `benchmarks/generate_bench.py`. A `transformers` Llama from a config "
         f"({result['params']:,} parameters: {LAYERS} layers, width {WIDTH}, vocab {VOCAB}), each layer then the root "
         f"sharded (FSDP2's pattern), greedy `generate` of {NEW_TOKENS} tokens after a {PROMPT}-token prompt under "
-        f"`no_grad` ({NEW_TOKENS} forwards), 2 gloo processes, 1 thread each; {rounds} rounds, the four variants' "
+        f"`no_grad` ({NEW_TOKENS} forwards), 2 gloo processes, 1 thread each; {rounds} rounds, the six variants' "
         "order rotating. All-gathers and bytes are counts (ours: the engine's `CommStats`; FSDP2: the c10d "
         "`_allgather_base_` calls it issues); tokens compared with the unsharded model's. Machine: "
         f"{platform.machine()}, {os.cpu_count()} CPUs shared with other jobs (load {load[0]:.1f}), "
@@ -135,15 +137,21 @@ def render(result: dict, rounds: int, wall: float) -> str:
         "| reshard_after_forward | impl | all-gathers | MiB gathered | median s | vs FSDP2 | tokens = unsharded |",
         "|---|---|---:|---:|---:|---:|---|",
     ]
-    for keep in (False, True):
-        fsdp2 = statistics.median(result["times"][("fsdp2", keep)])
+    for setting in SETTINGS:
+        fsdp2 = statistics.median(result["times"][("fsdp2", setting)])
         for impl in ("lightning_ragged", "fsdp2"):
-            variant = (impl, keep)
+            variant = (impl, setting)
             calls, gathered = result["counts"][variant]
             median = statistics.median(result["times"][variant])
-            lines.append(f"| {not keep} | {impl} | {calls} | {gathered / 2**20:.1f} | {median:.3f} | "
+            label = f"{setting} (default)" if setting is None else setting
+            lines.append(f"| {label} | {impl} | {calls} | {gathered / 2**20:.1f} | {median:.3f} | "
                          f"{median / fsdp2:.2f}x | {result['same'][variant]} |")
     lines += [
+        "",
+        "Under `None` FSDP2 keeps its root (embeddings, final norm, head) across the forwards, and so does "
+        "lightning_ragged's root group (2 DBuffers here: the embedding before the layers, norm and head after them, "
+        "one all-gather each, once). Before lightning_ragged's `None` did that, it gathered as `True` does (the "
+        "`True` row).",
         "",
         "The same script on the code before the no-grad fixes (36097d0, same machine, minutes apart): "
         "111 all-gathers / 360.4 MiB in both settings (the head's root-group call re-gathered the first block "

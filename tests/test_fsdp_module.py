@@ -65,7 +65,7 @@ def test_flight_recorder_names_the_smaller_group_re_gathers(dist_pool):
 def check_reshard_after_forward_values() -> dict:
     state = lr.get_state(lr.fully_shard(make_model(), reshard_after_forward=2))  # = world size: True
     keep = lr.get_state(lr.fully_shard(make_model(), reshard_after_forward=1))  # = False
-    default = lr.get_state(lr.fully_shard(make_model(), reshard_after_forward=None))  # FSDP2's default: True
+    default = lr.get_state(lr.fully_shard(make_model(), reshard_after_forward=None))  # FSDP2's default
     with pytest.raises(ValueError, match="reshard_after_forward=3 must be a bool, None .* or an int that divides"):
         lr.fully_shard(make_model(), reshard_after_forward=3)
     return {"two": state.groups[0].reshard_after_forward, "one": keep.groups[0].reshard_after_forward,
@@ -73,7 +73,7 @@ def check_reshard_after_forward_values() -> dict:
 
 
 def test_reshard_after_forward_int_edge_values(dist_pool):
-    assert dist_pool(2).run(check_reshard_after_forward_values)[0] == {"two": True, "one": False, "none": True}
+    assert dist_pool(2).run(check_reshard_after_forward_values)[0] == {"two": True, "one": False, "none": None}
 
 
 def check_module_methods() -> dict:
@@ -684,11 +684,14 @@ def test_a_cpu_model_moves_to_the_accelerator_of_its_backend_as_fsdp2(dist_pool)
     assert all(b.is_meta for b in model.buffers())
 
 
-@pytest.mark.parametrize("forwards", ["eval-before-step", "eval-before-step-fused", "kept-after-backward"])
-def test_full_parameters_kept_across_an_optimizer_step_are_gathered_again(dist_pool, forwards):
-    # reshard_after_forward=False keeps full parameters through a no-grad forward (FSDP2's rule); kept across the
-    # optimizer step they would be the old values (FSDP2 computes with them): the shards' version says so
-    results = dist_pool(2).run(check_training_matches_single_process, dict(reshard_after_forward=False), False,
+@pytest.mark.parametrize("forwards,keep", [("eval-before-step", False), ("eval-before-step-fused", False),
+                                           ("kept-after-backward", False), ("eval-before-step", None),
+                                           ("eval-before-step-fused", None)])
+def test_full_parameters_kept_across_an_optimizer_step_are_gathered_again(dist_pool, forwards, keep):
+    # reshard_after_forward=False keeps full parameters through a no-grad forward (FSDP2's rule; its default None
+    # keeps the root's); kept across the optimizer step they would be the old values (FSDP2 computes with them):
+    # the shards' version says so
+    results = dist_pool(2).run(check_training_matches_single_process, dict(reshard_after_forward=keep), False,
                                BATCH, forwards)
     assert max(r["max_diff"] for r in results) <= 1e-5, results[0]
 

@@ -289,14 +289,23 @@ def check_memory_after_forward() -> dict:
     allocated_after_backward = [
         (b.is_unsharded, b.has_unsharded_grad) for g in state.all_groups for b in g.dbuffers
     ]
-    with torch.no_grad():
-        model(_local(make_batches(1, BATCH)[0])[:, :-1])
-    allocated_after_eval = [b.is_unsharded for b in state.dbuffers()]
+    untied = make_model()
+    untied.head.weight = nn.Parameter(untied.head.weight.detach().clone())  # the embedding gets its own group
+    explicit = make_model()
+    lr.fully_shard(untied, shard_granularity="row")
+    lr.fully_shard(explicit, shard_granularity="row", reshard_after_forward=True)
+    after_eval = {}
+    for name, evaluated in (("tied", model), ("untied", untied), ("explicit", explicit)):
+        with torch.no_grad():
+            evaluated(_local(make_batches(1, BATCH)[0])[:, :-1])
+        groups = lr.get_state(evaluated).all_groups
+        after_eval[name] = {g.name: (g.root_part, [b.is_unsharded for b in g.dbuffers]) for g in groups}
+        after_eval[f"{name}_shards_at_rest"] = all(hasattr(p, "ragged_shard") for p in evaluated.parameters())
     return {
         "after_forward": after_forward,
         "root_after_forward": root_after_forward,
         "after_backward": allocated_after_backward,
-        "after_eval": allocated_after_eval,
+        "after_eval": after_eval,
     }
 
 
@@ -305,7 +314,16 @@ def test_unsharded_buffers_freed(dist_pool):
     assert result["after_forward"] and not any(any(v) for v in result["after_forward"].values())
     assert result["root_after_forward"]  # kept for the backward that follows
     assert not any(a or b for a, b in result["after_backward"])
-    assert not any(result["after_eval"])
+    # no backward follows a no-grad forward: FSDP2's default (None) keeps its root, so ours keeps the root's own
+    # groups (the root group and the embedding split off it) for the next forward, the blocks are freed; an
+    # explicit True frees everything. Between forwards the modules hold the shards either way.
+    after_eval = result["after_eval"]
+    for name, root_groups in (("tied", {"root"}), ("untied", {"embed", "root"}), ("explicit", set())):
+        groups = after_eval[name]
+        assert {g for g, (root_part, _) in groups.items() if root_part} == ({"embed", "root"} & set(groups)), groups
+        assert {g for g, (_, kept) in groups.items() if all(kept)} == root_groups, (name, groups)
+        assert not any(any(kept) for g, (_, kept) in groups.items() if g not in root_groups), (name, groups)
+        assert after_eval[f"{name}_shards_at_rest"]
 
 
 def _step_copy_bytes(model: nn.Module, batch: torch.Tensor) -> int:

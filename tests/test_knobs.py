@@ -65,7 +65,7 @@ BAD = [
     ("planning_algorithm", None, TypeError, "planning_algorithm='optimal'"),
     ("reshard_after_forward", "False", TypeError, "False (keep until backward)"),
     ("reshard_after_forward", 0, ValueError, "a positive int that divides"),
-    ("reshard_after_forward", None, TypeError, "True (free after forward)"),
+    ("reshard_after_forward", 1.0, TypeError, "True (free after forward)"),
     ("group_modules", "Block", TypeError, "group_modules=['Block']"),
     ("group_modules", [nn.Linear(2, 2)], TypeError, "pass its class (Linear) or its name ('Linear')"),
     ("group_modules", [int], TypeError, "group_modules=[Block]"),

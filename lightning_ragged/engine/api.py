@@ -70,7 +70,7 @@ def fully_shard(
     block_rows: int = 128,
     dbuffer_size: int = DEFAULT_DBUFFER_SIZE,
     planning_algorithm: str = "optimal",
-    reshard_after_forward: bool | int | None = True,
+    reshard_after_forward: bool | int | None = None,
     mp_policy: MixedPrecisionPolicy | None = None,
     group_modules: Sequence[GroupSpec] | None = None,
     blocks_per_group: int = 1,
@@ -282,6 +282,7 @@ def fully_shard(
             members=group_plan.members or None,
         )
         group.mp_policy = mp_policy
+        group.root_part = is_root or (group_modules is None and not (children or group.unshard_in_backward))
         if any(p.is_meta for run in group_plan.runs for _, p in run):
             meta_built.append(group)
         called_on = is_root or listed is not None  # FSDP2 casts the outputs of the modules a call was given

@@ -4,7 +4,8 @@ Code written for torch's FSDP2 passes ``mesh=`` (a 1-D mesh: shard over it; 2-D:
 dimension 0 and shard over dimension 1, FSDP2's convention; the shards live at ``device=``, else where
 the parameters are, except that a meta or CPU model moves to the mesh's accelerator as under FSDP2,
 :func:`shard_device`) and ``reshard_after_forward=None`` (FSDP2's
-default: reshard every module but the root, which is what lightning_ragged's ``True`` does). The
+default: reshard every module but the root; lightning_ragged's root group is kept for its backward under any
+value, and under ``None`` also across no-grad forwards, with the embedding group split off it). The
 arguments FSDP2 has and lightning_ragged does not implement are refused by name, with what to use
 instead, rather than failing as an unexpected keyword or being ignored.
 """
@@ -89,16 +90,15 @@ def move_buffers(target: Any, device: torch.device | None) -> None:
                 sub._buffers[attr] = buffer.to(device)
 
 
-def check_reshard_after_forward(value: Any, world_size: int) -> bool | int:
+def check_reshard_after_forward(value: Any, world_size: int) -> bool | int | None:
     """A bool, or an int dividing the world (1 means False: keep all; the world size means True); None is
-    FSDP2's default, True here (the root group is kept for its backward either way)."""
-    if value is None:
-        return True
-    if isinstance(value, bool):
+    FSDP2's default: True, except that the groups of the root (its own and its split-off embedding) are kept
+    across no-grad forwards, as FSDP2 keeps its root (the root group is kept for its backward either way)."""
+    if value is None or isinstance(value, bool):
         return value
     if not isinstance(value, int) or value < 1 or world_size % value:
         raise ValueError(
-            f"reshard_after_forward={value!r} must be a bool, None (FSDP2's default: True) or an int that divides "
+            f"reshard_after_forward={value!r} must be a bool, None (FSDP2's default) or an int that divides "
             f"the shard group's {world_size} ranks (e.g. the GPUs of one node)"
         )
     return False if value == 1 else True if value == world_size else value

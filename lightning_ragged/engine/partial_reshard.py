@@ -33,14 +33,14 @@ class PartialReshard:
 _GROUPS: dict[tuple[tuple[int, ...], int], dist.ProcessGroup] = {}
 
 
-def partial_group(process_group: dist.ProcessGroup | None, size: bool | int) -> dist.ProcessGroup | None:
+def partial_group(process_group: dist.ProcessGroup | None, size: bool | int | None) -> dist.ProcessGroup | None:
     """For ``reshard_after_forward=size``: this rank's group of ``size`` consecutive shard ranks.
 
     ``new_group`` is collective over the world, so every rank learns every shard group's
     ranks and creates all the subgroups in the same order (cached per layout).
     """
     world = dist.get_world_size(process_group)
-    if isinstance(size, bool) or size in (1, world):
+    if size is None or isinstance(size, bool) or size in (1, world):
         return None
     mine = tuple(dist.get_process_group_ranks(process_group or dist.group.WORLD))
     everyone: list[Any] = [None] * dist.get_world_size()

@@ -160,7 +160,7 @@ class RaggedFSDPState:
             self._root_ran = False
         if self._root_depth == 0 and not torch.is_grad_enabled():  # evaluation: no backward will follow
             for group in self.all_groups:
-                if group.reshard_after_forward is False:  # kept for the next forward (generation), as FSDP2
+                if group.kept_after_no_grad_forward:  # kept for the next forward (generation), as FSDP2
                     group.set_aside()
                 else:
                     group.reshard_after_backward_step()
@@ -246,7 +246,7 @@ class RaggedFSDPState:
             self.hook_backward(group, output)
         if not (self._in_backward or group.is_root or group.held_through_forward):  # the root: kept for backward
             if not torch.is_grad_enabled():
-                group.reshard() if group.reshard_after_forward is not False else group.set_aside()
+                group.set_aside() if group.kept_after_no_grad_forward else group.reshard()
             elif not (self.keep_last_unsharded and self._previous_order and group is self._previous_order[-1]):
                 group.reshard_after_forward_step()
         return _cast_outputs(group, output)

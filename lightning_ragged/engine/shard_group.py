@@ -37,7 +37,7 @@ class ShardGroup:
         module: nn.Module,
         dbuffers: list[DBuffer],
         slots: list[tuple[nn.Module, str, DBuffer, str]],
-        reshard_after_forward: bool | int,
+        reshard_after_forward: bool | int | None,
         is_root: bool = False,
         members: list[nn.Module] | None = None,
     ) -> None:
@@ -52,7 +52,9 @@ class ShardGroup:
         drop_at_optimizer_steps(self)
         self.slots = slots
         self.is_root = is_root
-        self.reshard_after_forward: bool | int = reshard_after_forward
+        self.reshard_after_forward: bool | int | None = reshard_after_forward
+        self.root_part = is_root
+        """Made by the root's own call: its root group or the embedding split off it (FSDP2's root holds both)."""
         self.reshard_after_backward = True
         self.requires_gradient_sync = True
         """FSDP2's per-module flag (``set_requires_gradient_sync(..., recurse)``); reduced only with the model's too."""
@@ -106,7 +108,14 @@ class ShardGroup:
         ``name``; a group that was its own call's root is re-gathered for backward only where its modules need it."""
         if self.is_root:
             self.unshard_in_backward = self._members_read_params_in_backward()
-        self.name, self.is_root = name, False
+        self.name, self.is_root, self.root_part = name, False, False
+
+    @property
+    def kept_after_no_grad_forward(self) -> bool:
+        """No backward follows a no-grad forward: ``reshard_after_forward=False`` keeps the full parameters for
+        the next forward, and so does FSDP2's default (None) for the root's own groups, as FSDP2 keeps its root
+        (a ``generate`` of n tokens gathers the root once, not n times)."""
+        return self.reshard_after_forward is False or (self.reshard_after_forward is None and self.root_part)
 
     def _members_read_params_in_backward(self) -> bool:
         return any(needs_params_in_backward(member) for member in self.members)
@@ -199,7 +208,7 @@ class ShardGroup:
         """After forward: free everything, keep a 1/int part (``reshard_after_forward=int``), or keep all."""
         if self.reshard_after_forward is False:
             return
-        if self.reshard_after_forward is True:
+        if self.reshard_after_forward is True or self.reshard_after_forward is None:
             self.reshard()
             return
         self.keep_full_writes()

@@ -152,10 +152,10 @@ def _planning_algorithm(value: Any) -> None:
 
 def _reshard_after_forward(value: Any) -> None:
     fix = (
-        "pass True (free after forward), False (keep until backward) or a positive int that divides the "
-        "shard group's ranks, e.g. 8 (one node)"
+        "pass None (FSDP2's default), True (free after forward), False (keep until backward) or a positive int "
+        "that divides the shard group's ranks, e.g. 8 (one node)"
     )
-    if isinstance(value, bool):
+    if value is None or isinstance(value, bool):
         return
     if not _is_int(value):
         _refuse(f"must be a bool or a positive int, got {_type_name(value)}", fix, TypeError)

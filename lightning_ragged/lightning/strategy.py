@@ -87,7 +87,8 @@ class RaggedFSDPStrategy(RaggedParallel, ParallelStrategy):
             256 MiB with a warning when there is none). See docs/operations.md.
         planning_algorithm: the layout planner (``"optimal"`` by default; see ``layout/planner.py``).
         reshard_after_forward: free each group's full parameters after its forward (ZeRO-3)
-            or keep them until backward (ZeRO-2-like, more memory, one all-gather less).
+            or keep them until backward (ZeRO-2-like, more memory, one all-gather less); ``None`` (FSDP2's
+            default, ours): ``True``, and the root's groups are kept across validation/prediction forwards.
         group_modules: module classes (or names) whose instances each form one FSDP group;
             default: the children of the model's largest ``nn.ModuleList``.
         activation_checkpointing: module classes (or names) to wrap with the composable
@@ -150,7 +151,7 @@ class RaggedFSDPStrategy(RaggedParallel, ParallelStrategy):
         block_rows: int = 128,
         dbuffer_size: Union[int, Literal["recommended"]] = DEFAULT_DBUFFER_SIZE,
         planning_algorithm: str = "optimal",
-        reshard_after_forward: Union[bool, int] = True,
+        reshard_after_forward: Union[bool, int, None] = None,
         group_modules: Optional[Sequence[ModuleSpec]] = None,
         activation_checkpointing: Optional[Sequence[ModuleSpec]] = None,
         replicate_degree: Union[int, Literal["node", "auto"]] = 1,

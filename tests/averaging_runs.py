@@ -40,13 +40,14 @@ class LitBackbone(LitTinyGPT):
         return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=self.lr, momentum=0.9)
 
 
-def _fit(strategy, model: LitTinyGPT, root: str | None = None, ckpt_path: str | None = None) -> L.Trainer:
+def _fit(strategy, model: LitTinyGPT, root: str | None = None, ckpt_path: str | None = None,
+         accumulate: int = 1) -> L.Trainer:
     callbacks = [EMAWeightAveraging(decay=DECAY)]
     if root is not None:
         callbacks.append(ModelCheckpoint(dirpath=root, every_n_train_steps=3, save_top_k=-1))
     trainer = cpu_trainer(strategy, 2, STEPS, callbacks=callbacks, enable_checkpointing=root is not None,
-                          limit_val_batches=1, val_check_interval=2)
-    trainer.fit(model, token_loader(STEPS * 2 * BATCH, BATCH), token_loader(2 * BATCH, BATCH, seed=5),
+                          limit_val_batches=1, val_check_interval=2 * accumulate, accumulate_grad_batches=accumulate)
+    trainer.fit(model, token_loader(STEPS * 2 * BATCH * accumulate, BATCH), token_loader(2 * BATCH, BATCH, seed=5),
                 ckpt_path=ckpt_path)
     return trainer
 
@@ -116,6 +117,19 @@ def run(results: dict) -> None:
         results[f"resume_{name}_diff"] = worst(max_diff(full_params(resumed[name]), reference))
         results[f"resume_{name}_loss_diff"] = worst(loss_diff(resumed[name], resumed["ddp"]))
     results["resume_steps"] = len(resumed["sharded"].losses)
+
+    # Accumulation: a micro-batch's forward runs outside optimizer.step, right after the validation the callback
+    # swapped the average in and out for (through .data, which moves no version counter): before, the root's groups
+    # kept from validation's no-grad forwards fed it the average (1.9e-2 from DDP's loss)
+    accumulated = {"ddp": _fresh(), "sharded": _fresh()}
+    _fit("ddp", accumulated["ddp"], accumulate=2)
+    _fit(RaggedFSDPStrategy(), accumulated["sharded"], accumulate=2)
+    results["accumulated_loss_diff"] = worst(loss_diff(accumulated["sharded"], accumulated["ddp"]))
+    results["accumulated_val_diff"] = worst(
+        max(abs(a - b) for a, b in zip(accumulated["sharded"].val_losses, accumulated["ddp"].val_losses)))
+    results["accumulated_final_diff"] = worst(max_diff(full_params(accumulated["sharded"]),
+                                                       full_params(accumulated["ddp"])))
+    results["accumulated_val_count"] = len(accumulated["sharded"].val_losses)
 
     # A second fit of the sharded module with the callback (the module itself is never deep-copied).
     again = {"ddp": _fresh(), "ragged": _fresh()}

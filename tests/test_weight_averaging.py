@@ -24,6 +24,13 @@ def test_ema_trains_validates_and_ends_on_the_average_as_under_ddp(main_run: dic
     assert run["trained_vs_average"] > 100 * FP32_TOL, run
 
 
+def test_ema_with_accumulation_trains_on_the_weights_not_the_swapped_out_average(main_run: dict) -> None:
+    run = main_run["averaging"]
+    assert run["accumulated_val_count"] == 3, run
+    for key in ("accumulated_loss_diff", "accumulated_val_diff", "accumulated_final_diff"):
+        assert run[key] <= FP32_TOL, run
+
+
 def test_the_average_costs_one_shard_per_rank(main_run: dict) -> None:
     run = main_run["averaging"]
     assert run["average_numel"] == run["shard_numel"] < run["full_numel"], run

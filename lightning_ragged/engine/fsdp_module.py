@@ -41,8 +41,13 @@ class FSDPModule:
         return self._ragged_fsdp_state.__deepcopy__(memo)
 
     def _ragged_own_groups(self) -> list:
-        """The groups this module is a member of (a group of several blocks is every member's, as FSDP2's)."""
-        return [group for group in self._ragged_fsdp_state.all_groups if any(m is self for m in group.members)]
+        """The groups this module is a member of (a group of several blocks is every member's, as FSDP2's); the
+        root's also the embedding group its call split off (FSDP2's root holds that embedding)."""
+        groups = self._ragged_fsdp_state.all_groups
+        own = [group for group in groups if any(m is self for m in group.members)]
+        if any(group.is_root for group in own):
+            own += [group for group in groups if group.root_part and not group.is_root]
+        return own
 
     def _ragged_own_dbuffers(self) -> list:
         return [dbuffer for group in self._ragged_own_groups() for dbuffer in group.dbuffers]

@@ -82,7 +82,7 @@ class RaggedFSDPFabricStrategy(RaggedParallel, ParallelStrategy):
         block_rows: int = 128,
         dbuffer_size: int = DEFAULT_DBUFFER_SIZE,
         planning_algorithm: str = "optimal",
-        reshard_after_forward: Union[bool, int] = True,
+        reshard_after_forward: Union[bool, int, None] = None,
         group_modules: Optional[Sequence[ModuleSpec]] = None,
         activation_checkpointing: Optional[Sequence[ModuleSpec]] = None,
         replicate_degree: Union[int, Literal["node"]] = 1,

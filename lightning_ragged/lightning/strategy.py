@@ -572,6 +572,15 @@ class RaggedFSDPStrategy(RaggedParallel, ParallelStrategy):
     def on_predict_start(self) -> None:
         check_same_batch_counts("prediction", self.lightning_module.trainer.num_predict_batches, self._shard_group)
 
+    def on_validation_end(self) -> None:
+        """Free what the evaluation's no-grad forwards kept (the root's groups, under ``reshard_after_forward=None``):
+        callbacks write the weights through ``.data``, which no version counter sees (``EMAWeightAveraging`` swaps
+        the averages out after validation), so a kept full buffer would feed them to the next training forward."""
+        if self.model is not None and getattr(self.model, "_ragged_fsdp_state", None) is not None:
+            get_state(self.model).reshard()
+
+    on_test_end = on_predict_end = on_validation_end
+
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         """A no-op after ``load_checkpoint`` (it loaded the shards); else a full state dict is sliced in."""
         assert self.model is not None

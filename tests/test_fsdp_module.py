@@ -769,3 +769,39 @@ def check_torch_sharded_model_refused_by_the_strategy() -> str:
 
 def test_a_model_sharded_by_torch_is_refused_by_the_strategy(dist_pool):
     assert dist_pool(2).run(check_torch_sharded_model_refused_by_the_strategy) == ["refused", "refused"]
+
+
+def check_named_optimizers_after_per_block_calls() -> dict:
+    """lightning_ragged's own optimizers key their state by ``ragged_shard.name``: after FSDP2's per-block calls those
+    must be the model's names, as after one call; each optimizer then trains as it does on the one-call model."""
+    from lightning_ragged.optim import SOAP, AdamW8bit, Shampoo
+
+    batches = make_batches(3, BATCH)
+    result = {}
+    for cls, kwargs in ((Shampoo, dict(max_preconditioner_dim=32)), (SOAP, {}), (AdamW8bit, dict(block_size=32))):
+        models = {"per_block": make_model(), "one_call": make_model()}
+        for block in models["per_block"].blocks:
+            lr.fully_shard(block, shard_granularity="matrix")
+        for model in models.values():
+            lr.fully_shard(model, shard_granularity="matrix")
+        result["names_match"] = [n for n, _ in models["per_block"].named_parameters()] == \
+            [p.ragged_shard.name for p in models["per_block"].parameters()]
+        losses = {}
+        for name, model in models.items():
+            optimizer = cls(model.parameters(), lr=1e-2, **kwargs)
+            losses[name] = []
+            for batch in batches:
+                loss = lm_loss(model, _local(batch))
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad()
+                losses[name].append(loss.item())
+        result[cls.__name__] = max(abs(a - b) for a, b in zip(losses["per_block"], losses["one_call"]))
+    return result
+
+
+def test_named_optimizers_work_after_fsdp2_per_block_calls(dist_pool):
+    # before: "parameter name 'norm1.weight' appears twice in Shampoo's param groups" (each block's names were its own)
+    for result in dist_pool(2).run(check_named_optimizers_after_per_block_calls):
+        assert result.pop("names_match"), result
+        assert max(result.values()) <= 1e-6, result  # the same shards and layouts: the same arithmetic

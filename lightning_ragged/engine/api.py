@@ -220,11 +220,12 @@ def fully_shard(
     warn_split_blocks(children, target, label)
     taken = {id(p) for child in children for group in child.all_groups for _b, _n, p in _group_params(group)}
     claimed = refuse_sharded_twice(target, taken, label)  # before anything of the children is changed
+    param_names = {id(param): name for name, param in target.named_parameters()}
     for child in children:
         for handle in child.handles:
             handle.remove()
         for group in child.all_groups:
-            group.adopt(group_name([(paths[id(member)], member) for member in group.members]))
+            group.adopt(group_name([(paths[id(member)], member) for member in group.members]), param_names)
             for dbuffer in group.dbuffers:
                 dbuffer.stats = stats
         adopted += child.all_groups

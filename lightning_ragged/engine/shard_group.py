@@ -9,6 +9,7 @@ groups (prefetch, reduction order) lives in ``runtime.py``.
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 from typing import Callable, Iterator
 
@@ -103,12 +104,18 @@ class ShardGroup:
         dict), initialization (materialization, a summon) or step moved their version counters."""
         return self.from_meta and all(b.sharded._version == v for b, v in zip(self.dbuffers, self._meta_versions))
 
-    def adopt(self, name: str) -> None:
+    def adopt(self, name: str, param_names: dict[int, str]) -> None:
         """A later ``fully_shard`` call on a parent took this group (FSDP2's order): a block of that model now, named
-        ``name``; a group that was its own call's root is re-gathered for backward only where its modules need it."""
+        ``name``; a group that was its own call's root is re-gathered for backward only where its modules need it.
+        Its parameters' ``ragged_shard.name`` become their names in the parent (``param_names``, by ``id``), as
+        after one call: optimizers key their state by them."""
         if self.is_root:
             self.unshard_in_backward = self._members_read_params_in_backward()
         self.name, self.is_root, self.root_part = name, False, False
+        for dbuffer in self.dbuffers:
+            for param in dbuffer.sharded_params.values():
+                new = param_names.get(id(param), param.ragged_shard.name)
+                param.ragged_shard = dataclasses.replace(param.ragged_shard, name=new)
 
     @property
     def kept_after_no_grad_forward(self) -> bool:

@@ -182,6 +182,24 @@ def test_buffers_are_saved_from_rank_zero(dist_pool, tmp_path, async_save: bool)
         assert result["loaded_vs_rank0"] == 0.0 and result["var_vs_rank0"] == 0.0, result
 
 
+def check_async_meta_is_the_state_at_the_save(root: str) -> dict:
+    """An async save returns once the tensors are staged; rank 0 writes ``meta.pt`` later. The extras (Lightning's
+    callback and loop states) must be those at the save, not those the training changed meanwhile."""
+    model = lr.fully_shard(make_model(), shard_granularity="row")
+    callbacks = {"best_k_models": {"step=1": 1.0}}
+    path = os.path.join(root, "async")
+    ck.save(path, model, [], {"callbacks": callbacks}, async_save=True)
+    callbacks["best_k_models"]["step=2"] = 0.5  # ModelCheckpoint's bookkeeping at the next step
+    ck.wait_for_pending_save()
+    return {"saved": ck.inspect_checkpoint(path).meta["callbacks"]}
+
+
+def test_async_save_writes_the_extras_as_they_were_at_the_save(dist_pool, tmp_path) -> None:
+    # before: a checkpoint's ModelCheckpoint state listed the checkpoints saved after it (meta.pt written late)
+    for result in dist_pool(2).run(check_async_meta_is_the_state_at_the_save, str(tmp_path)):
+        assert result["saved"] == {"best_k_models": {"step=1": 1.0}}, result
+
+
 def check_train_and_save(root: str, tag: str, steps_total: int) -> dict:
     """For every config: 3 steps then save (and, for the reference, the uninterrupted losses)."""
     data = make_batches(steps_total, BATCH)

@@ -13,6 +13,7 @@ time out raise ``CheckpointTimeoutError`` (``timeout.py``).
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 import shutil
 import threading
@@ -254,6 +255,8 @@ class CheckpointWriter:
             "checksums": checksums.MANIFEST_FILENAME,  # a directory without it is then known to be damaged
             **(extra_meta or {}),
         }
+        if async_save:  # rank 0 writes it after the training goes on: the callbacks' state at this save, not then
+            meta = copy.deepcopy(meta)
         # an earlier save to this path that never finished is removed; at the first save into its directory in
         # this process (no save of ours writes there yet), what crashed saves of other names left, too
         def prepare() -> None:

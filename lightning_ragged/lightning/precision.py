@@ -66,6 +66,21 @@ class RaggedMixedPrecision(_RaggedClipping, MixedPrecision):
     def mp_policy(self) -> Optional[MixedPrecisionPolicy]:
         return mp_policy_for(self.precision)
 
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """The scaler's state also under Lightning's own plugin's key, which DDP's and any other strategy's
+        ``MixedPrecision`` restores from (Lightning files it under the plugin's class name)."""
+        state = self.state_dict()
+        if state:
+            checkpoint[MixedPrecision.__qualname__] = state
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """A checkpoint of another strategy (DDP's ``MixedPrecision``, FSDP's ``FSDPPrecision``) holds the scaler's
+        state under its plugin's name; ours, when present, is loaded after this by Lightning and wins."""
+        for key in (MixedPrecision.__qualname__, "FSDPPrecision"):
+            if key in checkpoint and type(self).__qualname__ not in checkpoint:
+                self.load_state_dict(checkpoint[key])
+                return
+
 
 def to_ragged_precision(plugin: Optional[Precision], strategy_name: str = "RaggedFSDPStrategy") -> Optional[Precision]:
     """The ragged-aware counterpart of a Lightning precision plugin (or a clear error)."""

@@ -200,6 +200,28 @@ def test_async_save_writes_the_extras_as_they_were_at_the_save(dist_pool, tmp_pa
         assert result["saved"] == {"best_k_models": {"step=1": 1.0}}, result
 
 
+def check_hsdp_replicas_share_the_writing(root: str) -> dict:
+    """2 replicas of 1 shard: every shard is held by both ranks; DCP spreads such items over the ranks holding
+    them (as FSDP2's HSDP saves), only whole-held tensors are pinned to rank 0."""
+    rank = dist.get_rank()
+    shard_groups = [dist.new_group([0]), dist.new_group([1])]
+    model = lr.fully_shard(make_model(), process_group=shard_groups[rank], replicate_group=dist.group.WORLD)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    lm_loss(model, make_batches(1, 4)[0][rank * 2 : rank * 2 + 2]).backward()
+    opt.step()
+    path = os.path.join(root, "hsdp_spread")
+    ck.save(path, model, [opt], {"step": 1})
+    dist.barrier()
+    return {"bytes": sorted(p.stat().st_size for p in Path(path).glob("*.distcp"))}
+
+
+def test_hsdp_replicas_share_the_writing(dist_pool, tmp_path) -> None:
+    # with DCP's dedup_save_to_lowest_rank every replicated shard went to rank 0 (rank 1's file: 0 bytes)
+    for result in dist_pool(2).run(check_hsdp_replicas_share_the_writing, str(tmp_path)):
+        small, large = result["bytes"]
+        assert small > large / 4, result
+
+
 def check_train_and_save(root: str, tag: str, steps_total: int) -> dict:
     """For every config: 3 steps then save (and, for the reference, the uninterrupted losses)."""
     data = make_batches(steps_total, BATCH)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import os
 import shutil
 import threading
@@ -28,6 +29,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint._state_dict_stager import StateDictStager
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.planner import SavePlan, WriteItemType
 from torch.utils._pytree import tree_leaves
 
 from lightning_ragged.checkpoint import atomic_dir, checksums, safe_unpickle
@@ -147,11 +149,17 @@ class PendingSave:
             action()
 
 
-def _planner() -> DefaultSavePlanner:
+class _WholeTensorsFromRankZero(DefaultSavePlanner):
     """What every rank holds whole (buffers such as BatchNorm's running statistics, which ranks update apart
     between the broadcasts before each synchronized forward) is written from rank 0, as DDP saves rank 0's
-    and the next forward broadcasts them; DCP's default writes each from the least-loaded rank."""
-    return DefaultSavePlanner(dedup_save_to_lowest_rank=True)
+    and the next forward broadcasts them; DCP's default writes each from the least-loaded rank. Shards held
+    by several ranks (HSDP's replicas) stay spread over them, as DCP spreads them."""
+
+    def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Any]:
+        rank_zero = {item.index for item in all_plans[0].items if item.type == WriteItemType.TENSOR}
+        others = [dataclasses.replace(plan, items=[item for item in plan.items if item.type != WriteItemType.TENSOR
+                                                   or item.index not in rank_zero]) for plan in all_plans[1:]]
+        return super().create_global_plan([all_plans[0], *others])
 
 
 class CheckpointWriter:
@@ -292,7 +300,7 @@ class CheckpointWriter:
         writer = _storage_writer(tmp, compress)
         if not async_save:
             with translating("dcp.save"), quiet_without_process_group():
-                dcp.save(tensors, storage_writer=writer, planner=_planner())
+                dcp.save(tensors, storage_writer=writer, planner=_WholeTensorsFromRankZero())
             with translating("barrier after writing the shards"):
                 barrier()  # every rank's files are complete (DCP's .metadata is written by rank 0 last)
             _settle(_attempt(finish), path, "publishing",
@@ -304,7 +312,7 @@ class CheckpointWriter:
             self._async_group = dist.new_group(backend="gloo", **({"timeout": timeout} if timeout else {}))
         staged = self._stage(tensors)
         future = dcp.async_save(
-            staged, storage_writer=writer, planner=_planner(), process_group=self._async_group,
+            staged, storage_writer=writer, planner=_WholeTensorsFromRankZero(), process_group=self._async_group,
             async_stager=_AlreadyStaged(),
         )
         # DCP's rank 0 finishes (writes .metadata) only after every rank's data is written,

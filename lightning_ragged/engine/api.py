@@ -139,7 +139,8 @@ def fully_shard(
     nothing is communicated or copied: the full parameters are the shards themselves (with a
     ``param_dtype``, their cast), the gradient buffer becomes the sharded gradient, and
     ``get_state(m).stats`` counts no collective; fp8 all-gathers and HSDP keep their paths. FSDP2's ``mesh``
-    (1-D, or 2-D HSDP: replicate, shard) gives the process groups; its ``reshard_after_forward=None`` is True;
+    (1-D, or 2-D HSDP: replicate, shard) gives the process groups; ``reshard_after_forward=None`` (the default,
+    FSDP2's) is True but keeps the root's own groups across no-grad forwards, as FSDP2 keeps its root;
     ``offload_policy``, ``ignored_params`` and ``shard_placement_fn`` are refused with what to use (``fsdp2_args.py``).
     ``module`` may be a list of modules, as FSDP2's: one group of all their parameters, all-gathered when the
     first of them starts its forward and done with after the last one ends it (any modules of the model, e.g.

@@ -433,6 +433,13 @@ def check_refuses_to_move_or_cast() -> dict:
     with pytest.raises(RuntimeError, match=r"parameter 'norm.weight' was moved or cast after fully_shard \(it is "
                                            r"torch.float64.*holds torch.float32.*before fully_shard"):
         lm_loss(model, _local(make_batches(1, BATCH)[0]))
+    per_block = make_model()  # FSDP2's calls: the message names the model's parameter, not the block's own
+    for block in per_block.blocks:
+        lr.fully_shard(block)
+    lr.fully_shard(per_block)
+    per_block.blocks[1].norm1.double()
+    with pytest.raises(RuntimeError, match=r"parameter 'blocks.1.norm1.weight' was moved or cast after fully_shard"):
+        lm_loss(per_block, _local(make_batches(1, BATCH)[0]))
     return {"dtype": dtype}
 
 

@@ -152,7 +152,7 @@ class ShardGroup:
                 for name, param in params.items():
                     if param.dtype != buffer.dtype or param.untyped_storage()._cdata != home:
                         raise RuntimeError(
-                            f"parameter '{name}' was moved or cast after fully_shard (it is {param.dtype} on "
+                            f"parameter '{_model_name(dbuffer, name)}' was moved or cast after fully_shard (it is {param.dtype} on "
                             f"{param.device}; its DBuffer holds {buffer.dtype} on {buffer.device}): a .to(), "
                             ".half() or .cuda() of a submodule of a sharded model unlinks its parameters from their "
                             "DBuffers. Move/cast the model before fully_shard (or pass fully_shard(..., device=...)), "
@@ -237,7 +237,8 @@ class ShardGroup:
         for module, attr, dbuffer, name in self.slots:
             if attr not in module._parameters:
                 raise RuntimeError(
-                    f"parameter '{name}' ({type(module).__name__}.{attr}) is no longer registered on its module: "
+                    f"parameter '{_model_name(dbuffer, name)}' ({type(module).__name__}.{attr}) is no longer registered "
+                    "on its module: "
                     "it was removed after fully_shard (torch.nn.utils.prune, weight_norm, spectral_norm, "
                     "parametrize.register_parametrization or del turn a parameter into a computed attribute), so "
                     "they would run on 1-D shards. Apply them before fully_shard: the engine then shards the "
@@ -288,3 +289,8 @@ class UnshardHandle:
     def wait(self) -> None:
         for group in self._groups:
             group.use_unsharded()
+
+
+def _model_name(dbuffer: DBuffer, name: str) -> str:
+    """A DBuffer's parameter by its name in the model (a parent call renames the shards of the groups it adopts)."""
+    return dbuffer.sharded_params[name].ragged_shard.name

@@ -3,6 +3,7 @@
 ``python tests/exception_job.py OUT sigterm``: rank 1 alone gets SIGTERM between the forward and
 the backward of step 3 (``scancel``, preemption), while rank 0 is in the step's collectives.
 ``... OUT out-of-step``: rank 1 alone enters a barrier at step 3; both ranks time out, in different collectives.
+``... OUT no-saver``: as the first, with no ``on_exception`` hook that saves (``ModelCheckpoint``'s default).
 
 Run by ``tests/test_exception_agreement.py`` (Lightning's launcher, 2 gloo ranks). ``OnExceptionCheckpoint``
 would start a collective save on the failing rank alone; ``ModelCheckpoint`` saved after every step before.
@@ -50,7 +51,8 @@ class OutOfStepOnOneRank(LitTinyGPT):
         return super().training_step(batch, batch_idx)
 
 
-MODELS = {"raise": FailsOnOneRank, "sigterm": TerminatedOnOneRank, "out-of-step": OutOfStepOnOneRank}
+MODELS = {"raise": FailsOnOneRank, "sigterm": TerminatedOnOneRank, "out-of-step": OutOfStepOnOneRank,
+          "no-saver": FailsOnOneRank}
 
 
 def main() -> None:
@@ -58,11 +60,9 @@ def main() -> None:
     mode = sys.argv[2] if len(sys.argv) > 2 else "raise"
     model = MODELS[mode]()
     L.seed_everything(0, verbose=False)
-    trainer = cpu_trainer(
-        RaggedFSDPStrategy(timeout=timedelta(seconds=AGREEMENT_S)), 2, 6,
-        callbacks=[OnExceptionCheckpoint(str(out / "on_exception")),
-                   ModelCheckpoint(dirpath=str(out / "periodic"), every_n_train_steps=1, save_top_k=-1)],
-    )
+    periodic = ModelCheckpoint(dirpath=str(out / "periodic"), every_n_train_steps=1, save_top_k=-1)
+    saver = [] if mode == "no-saver" else [OnExceptionCheckpoint(str(out / "on_exception"))]
+    trainer = cpu_trainer(RaggedFSDPStrategy(timeout=timedelta(seconds=AGREEMENT_S)), 2, 6, callbacks=[*saver, periodic])
     try:
         trainer.fit(model, token_loader(6 * 2 * 4, 4))
     except BaseException as exception:

@@ -35,6 +35,20 @@ def test_one_rank_failing_alone_exits_without_a_half_save(tmp_path) -> None:
     assert inspect_checkpoint(periodic[-1]).meta["global_step"] == 2
 
 
+def test_one_rank_failing_alone_with_nothing_to_save_exits_without_waiting(tmp_path) -> None:
+    # No on_exception hook saves (ModelCheckpoint's default): before, the failing rank still waited the agreement's
+    # bounded time (60 s by default, AGREEMENT_S here) for the others before exiting; DDP exits at once
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "exception_job.py"), str(tmp_path), "no-saver"],
+                          env=_clean_env(OMP_NUM_THREADS="1"), cwd=ROOT, capture_output=True, text=True,
+                          timeout=HANG_S)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode != 0, log[-3000:]
+    assert "boom: a failure on rank 1 only" in log, log[-3000:]
+    assert "not every rank is handling an exception" not in log, log[-3000:]  # nobody waited for an agreement
+    periodic = sorted((tmp_path / "periodic").iterdir())
+    assert [p.name for p in periodic] == ["epoch=0-step=1.ckpt", "epoch=0-step=2.ckpt"], periodic
+
+
 def test_sigterm_on_one_rank_mid_step_stops_every_rank_at_the_same_batch(tmp_path) -> None:
     # Before (Lightning's handler): rank 1 broadcast inside the handler while rank 0 was in the step's
     # all-gather; both waited the whole timeout, then OnExceptionCheckpoint failed on the broken group

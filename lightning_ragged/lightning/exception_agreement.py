@@ -13,6 +13,9 @@ unless a collective failed on some rank (a timeout, a lost peer: ranks waiting i
 collectives, e.g. a collective only some ranks call): the default group is then out of step, a
 save's first collective would pair with a stale one and fail with a misleading error, so the saves
 are skipped with a warning naming those ranks and their errors, and the exceptions propagate.
+When no ``on_exception`` hook can save (no ``OnExceptionCheckpoint``, no ``ModelCheckpoint`` with
+``save_on_exception``, no hook of the user's), there is nothing to agree on and nobody waits: a rank
+raising alone exits at once, as under DDP, instead of after the agreement's bounded wait.
 """
 
 from __future__ import annotations
@@ -24,8 +27,10 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 import torch.distributed as dist
-from lightning.pytorch.callbacks import Callback
+from lightning.pytorch import LightningDataModule
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint, RichProgressBar
 
+from lightning_ragged.lightning.callbacks import RaggedFSDPMetrics
 from lightning_ragged.lightning.side_groups import gloo_group
 from lightning_ragged.engine.collective_errors import PEER_LOST_PATTERNS, TIMEOUT_PATTERNS, CollectiveTimeoutError
 
@@ -56,7 +61,7 @@ class ExceptionAgreement(Callback):
         self.group = agreement_group(self.timeout)
 
     def on_exception(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", exception: BaseException) -> None:
-        if self.group is None:
+        if self.group is None or not _may_save_on_exception(trainer):
             return
         try:
             dist.monitored_barrier(group=self.group, timeout=self.timeout, wait_all_ranks=True)
@@ -91,6 +96,26 @@ class ExceptionAgreement(Callback):
                 file=sys.stderr,
                 flush=True,
             )
+
+
+_LOCAL_HOOKS = (RichProgressBar.on_exception, RaggedFSDPMetrics.on_exception)
+"""``on_exception`` hooks that run no collective (a progress bar stopped, our metrics' endpoint closed)."""
+
+
+def _may_save_on_exception(trainer: "pl.Trainer") -> bool:
+    """Whether an ``on_exception`` hook Lightning runs next may start a collective (a save): a callback or data
+    module hook not known to be local counts as one, as does a ``ModelCheckpoint`` with ``save_on_exception``."""
+    for callback in trainer.callbacks:
+        hook = type(callback).on_exception
+        if hook is Callback.on_exception or isinstance(callback, ExceptionAgreement):
+            continue
+        if hook is ModelCheckpoint.on_exception and not getattr(callback, "save_on_exception", True):
+            continue
+        if hook in _LOCAL_HOOKS:
+            continue
+        return True
+    datamodule = trainer.datamodule
+    return datamodule is not None and type(datamodule).on_exception is not LightningDataModule.on_exception
 
 
 def _failed_collective(exception: BaseException) -> Optional[BaseException]:

@@ -219,3 +219,45 @@ def test_bad_inputs_get_named_errors(dist_pool):
                 "memory_budget_bytes=None", "blocks_per_group=2"]
     for message, words in zip(messages, expected):
         assert words in message, (words, message)
+
+
+class Scaled(nn.Module):
+    """No stack of blocks (groups are formed by size) and per-channel scales in an ``nn.ParameterList``, which
+    has no forward: the parent reads them. Before, a small ``dbuffer_size`` made the list a group of its own that
+    nothing gathered, and the forward multiplied by 1-D shards (torch's shape error, on some ranks only)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.big = nn.Linear(13, 12, bias=False)
+        self.scales = nn.ParameterList(nn.Parameter(torch.rand(1) + 0.5) for _ in range(12))
+        self.out = nn.Linear(12, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.tanh(self.big(x) * torch.cat(list(self.scales))))
+
+
+def check_size_groups_skip_forwardless_containers() -> dict:
+    torch.manual_seed(0)
+    data = torch.randn(STEPS, BATCH, 13)
+    reference = Scaled()
+    model = Scaled()
+    model.load_state_dict(reference.state_dict())
+    lr.fully_shard(model, dbuffer_size=64)  # 'out' (156 bytes of parameters) is too big: every module is tried
+    for net, batches in ((model, [_local(batch) for batch in data]), (reference, list(data))):
+        opt = torch.optim.AdamW(net.parameters(), lr=LR)
+        for batch in batches:
+            net(batch).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+    full = lr.full_state_dict(model)
+    return {
+        "groups": [group.name for group in lr.get_state(model).groups],
+        "diff": max((full[name] - value).abs().max().item() for name, value in reference.state_dict().items()),
+    }
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_size_groups_skip_containers_without_a_forward(dist_pool, world_size):
+    result = dist_pool(world_size).run(check_size_groups_skip_forwardless_containers)[0]
+    assert not any(name.startswith("scales") for name in result["groups"]), result["groups"]
+    assert result["diff"] <= 1e-5, result

@@ -4,7 +4,9 @@ A group is unsharded as a whole right before its module runs. By default every b
 every stack is a group: the children of each ``nn.ModuleList``/``nn.Sequential`` that are
 modules of modules (an encoder's and a decoder's layers, a vision tower beside an LM, a
 UNet's down and up blocks), and a block class repeated among siblings. Without any,
-modules are picked by size so that no group exceeds ``dbuffer_size``. Beside blocks, a large
+modules are picked by size so that no group exceeds ``dbuffer_size`` (only modules with a forward:
+a group is gathered when its module is called; one whose weights its parent reads without calling
+it computes with the shards, so give such a model ``group_modules``). Beside blocks, a large
 input embedding (an ``nn.Embedding`` outside them with ``nn.Embedding``'s own forward, untied, with at
 least ``EMBEDDING_SHARE`` of the parameters the blocks leave) is a group of its own: its full table is
 freed right after the lookup instead of living through forward and backward in the root, and it is
@@ -239,7 +241,11 @@ def _holds_stack(module: nn.Module) -> bool:
 
 
 def _size_groups(root: nn.Module, dbuffer_size: int) -> list[tuple[str, nn.Module]]:
-    """Largest subtrees that fit in ``dbuffer_size``; parameters of bigger modules stay in the root."""
+    """Largest subtrees that fit in ``dbuffer_size``; parameters of bigger modules stay in the root.
+
+    A module with no forward of its own (``nn.ParameterList``/``ParameterDict``, ``nn.ModuleList``/``ModuleDict``)
+    is never a group: nothing calls it, so nothing would gather it, and its parent would compute with the shards.
+    Its children are considered instead; a list's own parameters stay with its parent's group."""
     if _param_bytes(root.parameters()) <= dbuffer_size:
         return []
     chosen: list[tuple[str, nn.Module]] = []
@@ -250,7 +256,7 @@ def _size_groups(root: nn.Module, dbuffer_size: int) -> list[tuple[str, nn.Modul
             size = _param_bytes(child.parameters())
             if size == 0:
                 continue
-            if size <= dbuffer_size:
+            if size <= dbuffer_size and type(child).forward is not nn.Module.forward:
                 chosen.append((name, child))
             else:
                 visit(f"{name}.", child)

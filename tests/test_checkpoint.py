@@ -986,3 +986,45 @@ def test_sigkill_mid_save_keeps_the_previous_checkpoint(tmp_path) -> None:
     trainer = Trainer(callbacks=[callback], logger=False, enable_progress_bar=False, enable_model_summary=False)
     chosen = trainer._checkpoint_connector._parse_ckpt_path(TrainerFn.FITTING, "last", True, True)
     assert Path(chosen) == tmp_path / "last.ckpt"
+
+
+# ------------------------------------------------------------------- parameters with no elements
+class EmptyParamLM(TinyLM):
+    """The tiny LM with a parameter of shape (3, 0) (a slot sized by a config value of 0), used in forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.empty = torch.nn.Parameter(torch.zeros(3, 0))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return super().forward(tokens) + self.empty.sum()
+
+
+def check_empty_parameter_round_trip(root: str) -> dict:
+    """Saved at step 2 (no rank holds an element of ``empty``: before, its key was in no file and the load
+    refused the checkpoint as "missing keys ... empty"); a fresh model loads it and trains to step 4."""
+    data = make_batches(4, BATCH)
+    runs = {}
+    for resumed in (False, True):
+        torch.manual_seed(0)
+        model = lr.fully_shard(EmptyParamLM())
+        optimizers = _adamw(model)
+        for step in range(4):
+            if step == 2 and resumed:
+                ck.save(f"{root}/empty", model, optimizers, {"step": 2})
+                torch.manual_seed(7)
+                model = lr.fully_shard(EmptyParamLM())
+                optimizers = _adamw(model)
+                ck.load(f"{root}/empty", model, optimizers)
+            _step(model, optimizers, data[step])
+        runs[resumed] = _local_state(model, optimizers)
+    plain = EmptyParamLM()
+    ck.load(f"{root}/empty", plain)  # an unsharded module loads it too
+    same = runs[True].keys() == runs[False].keys() and all(torch.equal(runs[True][k], runs[False][k]) for k in runs[True])
+    return {"same": same, "plain_shape": tuple(plain.empty.shape)}
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_a_parameter_with_no_elements_saves_and_resumes(dist_pool, tmp_path, world_size) -> None:
+    for result in dist_pool(world_size).run(check_empty_parameter_round_trip, str(tmp_path)):
+        assert result == {"same": True, "plain_shape": (3, 0)}, result

@@ -84,7 +84,12 @@ def boxes_as_dtensor(
 
 
 def shard_as_dtensor(flat: torch.Tensor, shard: RaggedShard) -> torch.Tensor | None:
-    """The rank's ragged range of one parameter (or of a state shaped like it) as a DTensor."""
+    """The rank's ragged range of one parameter (or of a state shaped like it) as a DTensor.
+
+    A tensor with no elements (shape ``(3, 0)``) is on no rank: the empty tensor itself is returned, a replicated
+    entry DCP writes once, so that the key is in the checkpoint the model's load expects it in."""
+    if not math.prod(shard.global_shape):
+        return flat.new_empty(tuple(shard.global_shape))
     return boxes_as_dtensor(flat.reshape(-1), shard.local_boxes(), shard.global_shape, shard.process_group)
 
 

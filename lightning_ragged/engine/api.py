@@ -250,7 +250,8 @@ def fully_shard(
         for dbuffer_params in _dbuffer_params(group_plan, dbuffer_size, lambda p: id(p) in fp8_ids):
             first = dbuffer_params[0][1]
             fp8 = fp8_all_gather if id(first) in fp8_ids else None
-            unit = _view_unit(alignment, first.dtype, param_dtype)
+            real = not first.is_complex()  # a real param/reduce dtype would drop a complex tensor's imaginary part
+            unit = _view_unit(alignment, first.dtype, param_dtype if real else None)
             granularities = [resolve_granularity(shard_granularity, name, p, block_rows) for name, p in dbuffer_params]
             if fp8 is not None:  # no tile of an fp8 weight is cut: its scale is computed on one rank
                 granularities = [tile_granularity(g, p, fp8.tile) for g, (_, p) in zip(granularities, dbuffer_params)]
@@ -260,8 +261,8 @@ def fully_shard(
                 layout,
                 dbuffer_params,
                 process_group,
-                param_dtype=param_dtype,
-                reduce_dtype=reduce_dtype,
+                param_dtype=param_dtype if real else None,
+                reduce_dtype=reduce_dtype if real else None,
                 replicate_group=replicate_group,
                 reduce_mode=reduce_mode,
                 gather_mode=gather_mode,

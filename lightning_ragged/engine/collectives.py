@@ -256,7 +256,10 @@ def run_all_reduce_hook(
 
 
 def wire(tensor: torch.Tensor) -> torch.Tensor:
-    """An fp8 tensor as its bytes, for a collective of a backend without fp8 types (gloo: "Invalid scalar type")."""
+    """An fp8 tensor as its bytes, a complex one as its real pairs: for a collective of a backend without those
+    types (gloo's gather and scatter: "Invalid scalar type")."""
+    if tensor.is_complex():
+        return torch.view_as_real(tensor)
     return tensor.view(torch.uint8) if tensor.is_floating_point() and tensor.element_size() == 1 else tensor
 
 

@@ -54,7 +54,8 @@ def get_total_norm(
     groups = _by_shard_group(tensors)
     if list(groups) in ([], [REPLICATED]):
         return TORCH_TOTAL_NORM(tensors, norm_type, error_if_nonfinite, foreach)
-    total = total_norm(groups, norm_type, foreach).to(functools.reduce(torch.promote_types, (t.dtype for t in tensors)))
+    dtype = functools.reduce(torch.promote_types, (t.dtype for t in tensors))
+    total = total_norm(groups, norm_type, foreach).to(dtype.to_real())  # a norm is real, as torch's
     if error_if_nonfinite and not math.isfinite(total.item()):
         raise RuntimeError(
             f"The total norm of order {norm_type} for gradients from `parameters` is non-finite, so it cannot be "

@@ -371,3 +371,23 @@ def test_a_backend_this_torch_lacks_is_refused_before_processes_start() -> None:
             with pytest.raises(ValueError, match=f"process_group_backend=.*'{backend}' is not available in this "
                                                  "torch build.*pass 'gloo' \\(CPU\\)"):
                 _strategy(process_group_backend=value)
+
+
+def test_metrics_callback_arguments_are_checked_in_its_constructor() -> None:
+    """Before, RaggedFSDPMetrics took anything: monitor_port=70000 failed inside fit as a bare OverflowError from
+    rank 0's bind, heartbeat_interval=0 spun the heartbeat thread on the store."""
+    import inspect
+
+    from lightning_ragged.lightning.callbacks import RaggedFSDPMetrics
+    from lightning_ragged.lightning.metrics_knobs import METRICS_CHECKS
+
+    assert set(inspect.signature(RaggedFSDPMetrics).parameters) == set(METRICS_CHECKS)
+    bad = [("monitor_port", 70000, ValueError), ("monitor_port", "8080", TypeError), ("heartbeat_interval", 0, ValueError),
+           ("health_timeout", -1, ValueError), ("log_every_n_steps", "5", TypeError),
+           ("count_copies_every_n_steps", -1, ValueError), ("monitor_address", 123, TypeError),
+           ("memory_budget_bytes", "80GB", TypeError), ("tuning", "no", TypeError),
+           ("collective_timeout", float("inf"), ValueError)]
+    for name, value, error in bad:
+        with pytest.raises(error, match=rf"RaggedFSDPMetrics\({name}=.*pass"):
+            RaggedFSDPMetrics(**{name: value})
+    RaggedFSDPMetrics(log_every_n_steps=None, monitor_port=0, collective_timeout=None, memory_budget_bytes=2**30)

@@ -414,6 +414,21 @@ def test_endpoint_serves_health_and_metrics_during_fit_and_closes_after(fit_run)
     assert fit_run["after_fit"].startswith("closed")
 
 
+def test_counts_after_a_resume_with_accumulation_and_health_during_a_long_validation(metrics_fits):
+    """``tests/resume_metrics_fit.py``. Oracle: the fit before the resume (the same model and micro-batches: every
+    step issues the same collectives). Before, the first step after the resume was read as 0 (Lightning restores
+    it after ``on_fit_start``), so its first micro-batch counted as a step: that window's means were halved. And
+    ``/health`` answered "stalled", every rank missing, during a validation longer than ``health_timeout``."""
+    run = json.loads((metrics_fits / "resume.json").read_text())
+    per_step = {(gathers, reduces) for _, gathers, reduces in run["first"]}
+    assert len(per_step) == 1 and [step for step, *_ in run["first"]] == [1, 2], run["first"]
+    assert [step for step, *_ in run["resumed"]] == [3, 4, 5], run["resumed"]
+    assert {(gathers, reduces) for _, gathers, reduces in run["resumed"]} == per_step, run
+    health = run["health"]
+    assert health["status"] == "ok" and health["ranks_missing"] == [] and health["global_step"] == 4, health
+    assert health["seconds_since_last_step"] > 1.0  # longer than health_timeout without a training step
+
+
 # ------------------------------------------------------------------------------ plan CLI
 def _planner_table():
     sys.path.insert(0, str(ROOT / "benchmarks"))

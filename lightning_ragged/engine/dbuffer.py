@@ -23,9 +23,8 @@ fp8 the full buffer *is* the segment (``full_is_shard``): unshard/reshard only s
 With a cast, the cast written into the full buffer is the "gather" (``keep_cast_shard`` keeps nothing). The
 gradient buffer, a tensor of its own each backward, is adopted as the sharded gradient (``sharded_grad.py``).
 
-The collective calls (and FSDP2's custom ones, ``custom``) are in ``collectives.py``, on the comm streams of ``streams.py``
-(no-op on CPU); the all-gather's source is from ``shard_cast.py`` (``partial_reshard.py``'s kept part, ``fp8_gather.py``).
-Observers (``events.py``) in ``observers`` hear of every collective and (de)allocation.
+Collectives (FSDP2's custom ones: ``custom``) are ``collectives.py``'s, on ``streams.py``'s comm streams (no-op on CPU); the
+gather's source is ``shard_cast.py``'s (``partial_reshard.py``, ``fp8_gather.py``); ``observers`` (``events.py``) hear of each.
 """
 
 from __future__ import annotations
@@ -229,8 +228,9 @@ class DBuffer:
                 self._gather_target, source, group, async_op, started, self.custom.all_gather, self.gather_mode)
             sent = self.unsharded.numel() * self.unsharded.element_size()
         self._pending_unshard = pending
-        self.stats.all_gathers += 1
-        self.stats.all_gather_bytes += sent
+        if self.world_size > 1:  # HSDP with one rank per shard group: no peer, torch's gather is a local copy
+            self.stats.all_gathers += 1
+            self.stats.all_gather_bytes += sent
 
     def wait_unshard(self) -> None:
         if self._pending_unshard is None:

@@ -22,7 +22,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 
 from lightning_ragged.engine.api import DEFAULT_DBUFFER_SIZE
-
+from lightning_ragged.lightning.metrics_knobs import METRICS_CHECKS, check_metrics_knobs
 from lightning_ragged.observability.copy_counter import CopyCounter
 from lightning_ragged.observability.metrics import EngineMetrics
 from lightning_ragged.observability.monitor import Monitor
@@ -77,6 +77,7 @@ class RaggedFSDPMetrics(Callback):
         tuning: bool = True,
         memory_budget_bytes: Optional[int] = None,
     ) -> None:
+        check_metrics_knobs({name: value for name, value in locals().items() if name in METRICS_CHECKS})
         self.log_every_n_steps = log_every_n_steps
         self.per_group = per_group
         self.count_copies_every_n_steps = count_copies_every_n_steps
@@ -112,8 +113,6 @@ class RaggedFSDPMetrics(Callback):
         for p in self.metrics.probes:
             p.diagnostics = self.diagnostics
             p.collective_timeout = timeout
-        self.metrics.set_step(trainer.global_step)
-        self._last_global_step = trainer.global_step
         if self.monitor_port is not None:
             self.monitor = Monitor(
                 self.metrics,
@@ -122,9 +121,17 @@ class RaggedFSDPMetrics(Callback):
                 health_timeout=self.health_timeout,
                 heartbeat_interval=self.heartbeat_interval,
                 serve=_rank_zero(trainer),
-                global_step=trainer.global_step,
             )
             self.monitor.start()
+
+    def on_train_start(self, trainer: Any, pl_module: nn.Module) -> None:
+        """The step training starts from: Lightning restores a resumed fit's after ``on_fit_start``; read there,
+        the first micro-batch of an accumulation window after a resume counted as a step of its own."""
+        if self.metrics is not None:
+            self.metrics.set_step(trainer.global_step)
+            self._last_global_step = trainer.global_step
+        if self.monitor is not None:
+            self.monitor.global_step = trainer.global_step
 
     def on_train_epoch_start(self, trainer: Any, pl_module: nn.Module) -> None:
         if self.metrics is not None:
@@ -139,6 +146,10 @@ class RaggedFSDPMetrics(Callback):
     def on_validation_end(self, trainer: Any, pl_module: nn.Module) -> None:
         if self.metrics is not None and trainer.state.fn == TrainerFn.FITTING:
             self.metrics.end_excluded()
+
+    def on_validation_batch_end(self, trainer: Any, pl_module: nn.Module, *args: Any, **kwargs: Any) -> None:
+        if self.monitor is not None:  # a validation longer than health_timeout is no stall
+            self.monitor.progressed()
 
     def on_train_batch_start(self, trainer: Any, pl_module: nn.Module, batch: Any, batch_idx: int) -> None:
         if self.metrics is None:

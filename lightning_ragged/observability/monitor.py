@@ -3,16 +3,17 @@
 Nothing here runs on the training thread except two attribute assignments per step
 (:meth:`Monitor.step_finished`) and a dict swap per logging step (:meth:`Monitor.update`):
 
-* every rank runs a daemon *heartbeat* thread that writes ``{"step", "last_step", "start"}``
-  (wall-clock seconds) under ``ragged_fsdp/heartbeat/<rank>`` in the default
+* every rank runs a daemon *heartbeat* thread that writes ``{"step", "last_step", "start", "progress"}``
+  (wall-clock seconds; ``progress``: the last step or evaluation batch) under ``ragged_fsdp/heartbeat/<rank>`` in the default
   ``torch.distributed`` store every ``heartbeat_interval`` seconds;
 * rank 0 runs an HTTP server in a daemon thread, bound to ``address`` (default
   loopback). It is bounded (``_BoundedHTTPServer``): an idle connection costs no thread
   and is closed after ``connection_timeout`` seconds (at most ``max_idle_connections``
   wait, the oldest is closed first); at most ``max_connections`` requests are served at
   once, each with that socket timeout; a request beyond them gets a quick 503.
-  ``/health`` reads the heartbeats (a rank *reports* when its last step, or its start
-  before the first step, is at most ``health_timeout`` seconds old; clocks are compared
+  ``/health`` reads the heartbeats (a rank *reports* when its last step or evaluation batch
+  (:meth:`Monitor.progressed`: a long validation is no stall), or its start before either, is
+  at most ``health_timeout`` seconds old; clocks are compared
   across hosts, so keep them in NTP sync) and answers 200 while every rank reports, 503
   otherwise. ``/metrics`` is ``prometheus_client``'s WSGI app (text or OpenMetrics
   format by ``Accept``, gzip) over a registry holding one collector: the cumulative
@@ -84,6 +85,7 @@ class Monitor:
         self.serve = serve
         self.global_step = global_step
         self.last_step_time: Optional[float] = None
+        self.progress_time: Optional[float] = None
         self.started_time = time.time()
         self.snapshot: dict[str, float] = {}
         self.rank = dist.get_rank() if dist.is_initialized() else 0
@@ -101,7 +103,11 @@ class Monitor:
     # --------------------------------------------------- training thread
     def step_finished(self, step: int) -> None:
         self.global_step = step
-        self.last_step_time = time.time()
+        self.last_step_time = self.progress_time = time.time()
+
+    def progressed(self) -> None:
+        """Work other than a training step finished (an evaluation batch): this rank is alive."""
+        self.progress_time = time.time()
 
     def update(self, values: dict[str, float]) -> None:
         self.snapshot = values
@@ -166,11 +172,14 @@ class Monitor:
 
     # --------------------------------------------------------- heartbeat
     def _beat(self) -> None:
-        record = {"step": self.global_step, "last_step": self.last_step_time, "start": self.started_time}
         try:
-            self._store.set(f"{HEARTBEAT_KEY}{self.rank}", json.dumps(record))
+            self._store.set(f"{HEARTBEAT_KEY}{self.rank}", json.dumps(self._record()))
         except (RuntimeError, ValueError):
             pass  # the store is going away with the job; health will show this rank as missing
+
+    def _record(self) -> dict[str, Any]:
+        return {"step": self.global_step, "last_step": self.last_step_time, "start": self.started_time,
+                "progress": self.progress_time}
 
     def _beat_forever(self) -> None:
         while not self._stop.wait(self.heartbeat_interval):
@@ -179,7 +188,7 @@ class Monitor:
     # ------------------------------------------------------------ health
     def health(self) -> dict[str, Any]:
         now = time.time()
-        records = {self.rank: {"step": self.global_step, "last_step": self.last_step_time, "start": self.started_time}}
+        records = {self.rank: self._record()}
         if self._store is not None:
             for rank in range(self.world_size):
                 if rank == self.rank:
@@ -193,7 +202,7 @@ class Monitor:
         reporting, missing = [], []
         for rank in range(self.world_size):
             record = records.get(rank)
-            last = None if record is None else (record.get("last_step") or record.get("start"))
+            last = None if record is None else (record.get("progress") or record.get("last_step") or record.get("start"))
             (reporting if last is not None and now - last <= self.health_timeout else missing).append(rank)
         since = None if self.last_step_time is None else round(now - self.last_step_time, 3)
         if missing:

@@ -70,6 +70,53 @@ class _PosOnRequest(TinyLM):
         return self.head(self.norm(x))
 
 
+def _penalized_loss(model: torch.nn.Module, tokens: torch.Tensor, grad_of_loss: bool) -> torch.Tensor:
+    """Loss plus a gradient penalty (R1/WGAN-GP style): the squared gradient of the loss with respect to the
+    embedding's output, taken with ``autograd.grad(create_graph=True)`` (or, ``grad_of_loss``, with respect to the
+    loss's own backward through the model and then a second backward through that graph)."""
+    hidden = []
+    handle = model.embed.register_forward_hook(lambda _m, _i, out: hidden.append(out))
+    loss = lm_loss(model, tokens)
+    handle.remove()
+    (grad,) = torch.autograd.grad(loss, hidden[0], create_graph=True)
+    return loss + 10.0 * grad.pow(2).sum() if grad_of_loss else 10.0 * grad.pow(2).sum()
+
+
+def check_gradient_penalty(per_block: bool, grad_of_loss: bool) -> dict:
+    """Before: the second backward read full parameters the first one had freed: a segfault on every rank
+    (FSDP2's too). The oracle replays every rank's batch on one process (the penalty is per rank's loss, so the
+    global batch's would differ) and averages the gradients, as DDP does."""
+    data = make_batches(STEPS, BATCH)
+    reference, sharded = make_model(), make_model()
+    if per_block:
+        for block in sharded.blocks:
+            lr.fully_shard(block)
+    lr.fully_shard(sharded)
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (reference, sharded)]
+    world, per = dist.get_world_size(), BATCH // dist.get_world_size()
+    for step in range(STEPS):
+        for rank in range(world):
+            (_penalized_loss(reference, data[step][rank * per : (rank + 1) * per], grad_of_loss) / world).backward()
+        _penalized_loss(sharded, _local(data[step]), grad_of_loss).backward()
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad()
+    state = lr.get_state(sharded)
+    kept = [group.name for group in state.all_groups if group.is_unsharded]
+    lm_loss(sharded, _local(data[0])).backward()  # a plain step after it frees as usual
+    return {"diff": _params_diff(sharded, reference), "kept_until_forward": kept,
+            "freed_after_plain_step": not any(group.is_unsharded for group in state.all_groups)}
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+@pytest.mark.parametrize("per_block,grad_of_loss", [(True, True), (False, False)])
+def test_a_gradient_penalty_backward_through_a_create_graph_trains_as_one_process(dist_pool, world_size, per_block,
+                                                                                  grad_of_loss):
+    for result in dist_pool(world_size).run(check_gradient_penalty, per_block, grad_of_loss):
+        assert result["diff"] <= 1e-5, result
+        assert result["kept_until_forward"] and result["freed_after_plain_step"], result
+
+
 def check_optimizer_in_backward(variant: str) -> dict:
     """One AdamW per parameter, stepped and zeroed in its post-accumulate-grad hook; no optimizer.step().
     ``unused-later``: ``pos`` is used in the first step only and gradients are zeroed, not freed, so it keeps a

@@ -15,7 +15,8 @@ import torch
 from torch import nn
 
 from lightning_ragged.engine.direct_reads import DirectReadProbe
-from lightning_ragged.engine.runtime import RaggedFSDPState, autograd_running, eager
+from lightning_ragged.engine.hook_modes import autograd_running, eager
+from lightning_ragged.engine.runtime import RaggedFSDPState
 from lightning_ragged.engine.shard_group import ShardGroup
 from lightning_ragged.engine.sharded_calls import ShardedCallCheck
 

@@ -41,6 +41,7 @@ from lightning_ragged.engine.collectives import CommStats
 from lightning_ragged.engine.containers import map_tensors, replace_tensors_requiring_grad, tensors_requiring_grad
 from lightning_ragged.engine.dbuffer import DBuffer
 from lightning_ragged.engine.forward_order import ForwardOrder
+from lightning_ragged.engine.hook_modes import autograd_running, eager
 from lightning_ragged.engine.post_backward import PostBackward
 from lightning_ragged.engine.reentrant_calls import in_reentrant_checkpoint, in_reentrant_recomputation
 from lightning_ragged.engine.shard_group import ShardGroup, UnshardHandle
@@ -77,12 +78,17 @@ class RaggedFSDPState:
         """``planning="auto"``: the ``layout.auto.AutoPlan`` that chose the groups, for reports."""
         self.buffer_sync: Any = None  # broadcast_buffers=True: a state_sync.BufferSync (run by _sync_buffers)
         self._buffers_need_sync = True  # DDP's require_forward_param_sync (true for the first forward too)
-        self._end_of_backward_hook = eager(self._end_of_backward, backward=True)
+        self.graph_kept = False
+        """A backward built a graph through the full parameters (``create_graph=True``, ``hook_modes.py``): until
+        the next forward every group stays unsharded and reduces at the end of each backward, once every gradient
+        (the later backward's through that graph too) arrived."""
+        self._end_of_backward_hook = eager(self._end_of_backward, backward=True, graph_built=self._graph_built)
         first = next(self.dbuffers(), None)
         self.comm_streams: CommStreams = device_streams(first.device if first is not None else None)
         """All-gather and reduce streams of the model's device (``streams.py``)."""
         self.set_comm_streams(self.comm_streams)
-        self._pre_backward_hooks = {id(g): eager(lambda _, g=g: self.pre_backward(g), backward=True) for g in groups}
+        self._pre_backward_hooks = {id(g): eager(lambda _, g=g: self.pre_backward(g), backward=True,
+                                                 graph_built=self._graph_built) for g in groups}
 
     @property
     def groups(self) -> list[ShardGroup]:
@@ -171,6 +177,10 @@ class RaggedFSDPState:
         nothing here: each group counts the calls its next backward runs when that backward reaches it."""
         if self._in_backward:
             self.recover()
+        if self.graph_kept:  # that graph's backwards are over: the forward gathers anew
+            self.graph_kept = False
+            for group in self.all_groups:
+                group.reshard()
         for group in self.all_groups:
             group.check_linked()
             group.members_to_run.clear()  # left pending by a forward that raised between its members' hooks
@@ -203,7 +213,7 @@ class RaggedFSDPState:
         if id(param) in self._hooked:
             return
         self._hooked.add(id(param))
-        hook = eager(lambda _p: self.grad_arrived(group, dbuffer, name), backward=True)
+        hook = eager(lambda _p: self.grad_arrived(group, dbuffer, name), backward=True, graph_built=self._graph_built)
         self.handles.append(param.register_post_accumulate_grad_hook(hook))
 
     # ---------------------------------------------------------------- forward
@@ -305,6 +315,9 @@ class RaggedFSDPState:
         return map_tensors(cast, args), map_tensors(cast, kwargs)
 
     # --------------------------------------------------------------- backward
+    def _graph_built(self) -> None:
+        self.graph_kept = True
+
     def pre_backward(self, group: ShardGroup) -> None:
         if not self._in_backward:
             self._in_backward = True
@@ -333,8 +346,8 @@ class RaggedFSDPState:
     def post_backward(self, group: ShardGroup) -> None:
         """The module's backward is done: reduce its trainable DBuffers, then free its full parameters."""
         group.backward_calls -= 1
-        if group.backward_calls > 0 or group.untracked_calls:
-            return  # more calls of the module to come in this backward (an untracked one's: the end of backward)
+        if group.backward_calls > 0 or group.untracked_calls or self.graph_kept:
+            return  # more calls of the module to come in this backward (an untracked one's, or kept: the end)
         self._finish_group(group)
 
     def _finish_group(self, group: ShardGroup) -> None:
@@ -350,7 +363,10 @@ class RaggedFSDPState:
                 elif not dbuffer.single_rank:  # every rank that ran the group holds its buffers, so which
                     # DBuffers a synchronized backward reduces never depends on where this rank's gradients reached
                     dbuffer.ensure_grad_buffer(accumulate=True)
-        group.reshard_after_backward_step()
+        if self.graph_kept:
+            group.wait_unshard()
+        else:
+            group.reshard_after_backward_step()
         group.end_backward()
 
     def _reduce(self, dbuffer: DBuffer, all_reduce: bool) -> None:
@@ -373,7 +389,7 @@ class RaggedFSDPState:
             accumulated = self.syncs(group) and any(d.has_unsharded_grad for d in group.dbuffers)
             if group.backward_prepared or group.forward_calls or accumulated:
                 self._finish_group(group)
-            elif group.is_unsharded or group.unshard_pending:
+            elif (group.is_unsharded or group.unshard_pending) and not self.graph_kept:
                 # ran forward with reshard_after_forward=False but got no gradient, or was prefetched and did not
                 # run: a gather left pending would be used after the optimizer step, with the old values
                 group.reshard_after_backward_step()
@@ -426,25 +442,9 @@ def get_state(module: nn.Module) -> RaggedFSDPState:
     return state
 
 
-def eager(hook: Any, backward: bool = False) -> Any:
-    """Keep an engine hook out of ``torch.compile``'s graphs (it allocates, frees and issues collectives).
-
-    Wrap the callable handed to torch, not the methods it calls: a closure defined here is
-    user code to Dynamo, which would trace it and break the graph at the disabled call. ``backward``: a hook
-    autograd runs, under ``no_grad`` as FSDP2's reduction (``create_graph=True`` runs hooks with grad mode on;
-    the graph must not reach into the buffers: the sharded gradients come out detached, as FSDP2's).
-    """
-    return torch.compiler.disable(torch.no_grad()(hook) if backward else hook, recursive=True)
-
-
 def _cast_outputs(group: ShardGroup, output: Any) -> Any:
     """``MixedPrecisionPolicy.output_dtype``: the sharded module's floating-point outputs in that dtype (FSDP2's rule)."""
     dtype = group.output_dtype
     if dtype is None:
         return output
     return map_tensors(lambda t: t.to(dtype) if t.is_floating_point() else t, output)
-
-
-def autograd_running() -> bool:
-    """True inside a backward pass (the autograd engine is executing a graph task)."""
-    return torch._C._current_graph_task_id() != -1

@@ -227,8 +227,8 @@ def reduce(
         else:
             replica()  # ordered after it: on the same stream (device), or it finished (CPU)
     if stats is not None:
-        if dist.get_world_size(group) > 1:  # HSDP with one rank per shard group: only the replica all-reduce
-            stats.reduces += 1
+        stats.reduces += 1
+        if dist.get_world_size(group) > 1:  # HSDP with one rank per shard group: no peer, only the replica all-reduce
             stats.reduce_bytes += sent.numel() * sent.element_size()
         if replicate_group is not None:
             stats.replica_all_reduces += 1

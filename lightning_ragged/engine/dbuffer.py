@@ -228,9 +228,8 @@ class DBuffer:
                 self._gather_target, source, group, async_op, started, self.custom.all_gather, self.gather_mode)
             sent = self.unsharded.numel() * self.unsharded.element_size()
         self._pending_unshard = pending
-        if self.world_size > 1:  # HSDP with one rank per shard group: no peer, torch's gather is a local copy
-            self.stats.all_gathers += 1
-            self.stats.all_gather_bytes += sent
+        self.stats.all_gathers += 1
+        self.stats.all_gather_bytes += sent if self.world_size > 1 else 0  # HSDP, one rank per shard group: no peer
 
     def wait_unshard(self) -> None:
         if self._pending_unshard is None:

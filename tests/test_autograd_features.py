@@ -94,17 +94,22 @@ def check_gradient_penalty(per_block: bool, grad_of_loss: bool) -> dict:
     lr.fully_shard(sharded)
     optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (reference, sharded)]
     world, per = dist.get_world_size(), BATCH // dist.get_world_size()
+    norms, shards_seen = [], True
     for step in range(STEPS):
         for rank in range(world):
             (_penalized_loss(reference, data[step][rank * per : (rank + 1) * per], grad_of_loss) / world).backward()
         _penalized_loss(sharded, _local(data[step]), grad_of_loss).backward()
+        # what a plain loop does next: model.parameters() must be the shards holding the gradients
+        shards_seen &= all(hasattr(p, "ragged_shard") for p in sharded.parameters())
+        norms.append([torch.nn.utils.clip_grad_norm_(m.parameters(), 0.5).item() for m in (reference, sharded)])
         for optimizer in optimizers:
             optimizer.step()
             optimizer.zero_grad()
     state = lr.get_state(sharded)
     kept = [group.name for group in state.all_groups if group.is_unsharded]
     lm_loss(sharded, _local(data[0])).backward()  # a plain step after it frees as usual
-    return {"diff": _params_diff(sharded, reference), "kept_until_forward": kept,
+    return {"diff": _params_diff(sharded, reference), "kept_until_forward": kept, "norms": norms,
+            "shards_seen": shards_seen,
             "freed_after_plain_step": not any(group.is_unsharded for group in state.all_groups)}
 
 
@@ -113,7 +118,8 @@ def check_gradient_penalty(per_block: bool, grad_of_loss: bool) -> dict:
 def test_a_gradient_penalty_backward_through_a_create_graph_trains_as_one_process(dist_pool, world_size, per_block,
                                                                                   grad_of_loss):
     for result in dist_pool(world_size).run(check_gradient_penalty, per_block, grad_of_loss):
-        assert result["diff"] <= 1e-5, result
+        assert result["diff"] <= 1e-5 and result["shards_seen"], result
+        assert all(abs(ours - oracle) <= 1e-5 * oracle for oracle, ours in result["norms"]), result["norms"]
         assert result["kept_until_forward"] and result["freed_after_plain_step"], result
 
 

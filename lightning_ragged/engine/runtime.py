@@ -363,8 +363,8 @@ class RaggedFSDPState:
                 elif not dbuffer.single_rank:  # every rank that ran the group holds its buffers, so which
                     # DBuffers a synchronized backward reduces never depends on where this rank's gradients reached
                     dbuffer.ensure_grad_buffer(accumulate=True)
-        if self.graph_kept:
-            group.wait_unshard()
+        if self.graph_kept:  # that graph reads the full parameters; the modules (clipping, an optimizer) the shards
+            group.set_aside()
         else:
             group.reshard_after_backward_step()
         group.end_backward()

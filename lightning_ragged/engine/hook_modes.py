@@ -4,8 +4,8 @@ A backward that builds a graph of its own (``backward(create_graph=True)``, ``au
 create_graph=True)``: a gradient penalty) runs hooks with grad mode on. That graph saves the full
 parameters it reads, so freeing them at the group's post-backward (what resharding does) would leave
 the later backward through it reading released storage, a crash (FSDP2's does the same). The runtime is
-told (``graph_built``) before any hook of such a backward works, and keeps the full parameters until
-the next forward (``runtime.py``).
+told (``graph_built``) before any hook of such a backward works, and keeps the full parameters until a
+backward that builds no graph ends (``runtime.py``, ``ShardGroup.held_by_graph``).
 """
 
 from __future__ import annotations

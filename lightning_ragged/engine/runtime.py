@@ -78,10 +78,9 @@ class RaggedFSDPState:
         """``planning="auto"``: the ``layout.auto.AutoPlan`` that chose the groups, for reports."""
         self.buffer_sync: Any = None  # broadcast_buffers=True: a state_sync.BufferSync (run by _sync_buffers)
         self._buffers_need_sync = True  # DDP's require_forward_param_sync (true for the first forward too)
-        self.graph_kept = False
-        """A backward built a graph through the full parameters (``create_graph=True``, ``hook_modes.py``): until
-        the next forward every group stays unsharded and reduces at the end of each backward, once every gradient
-        (the later backward's through that graph too) arrived."""
+        self.graph_kept, self._building_graph = False, False
+        """A backward built a graph through the full parameters (``hook_modes.py``): until one building none ends, the
+        groups keep them (``ShardGroup.held_by_graph``) and reduce at each backward's end, every gradient arrived."""
         self._end_of_backward_hook = eager(self._end_of_backward, backward=True, graph_built=self._graph_built)
         first = next(self.dbuffers(), None)
         self.comm_streams: CommStreams = device_streams(first.device if first is not None else None)
@@ -177,10 +176,6 @@ class RaggedFSDPState:
         nothing here: each group counts the calls its next backward runs when that backward reaches it."""
         if self._in_backward:
             self.recover()
-        if self.graph_kept:  # that graph's backwards are over: the forward gathers anew
-            self.graph_kept = False
-            for group in self.all_groups:
-                group.reshard()
         for group in self.all_groups:
             group.check_linked()
             group.members_to_run.clear()  # left pending by a forward that raised between its members' hooks
@@ -316,7 +311,9 @@ class RaggedFSDPState:
 
     # --------------------------------------------------------------- backward
     def _graph_built(self) -> None:
-        self.graph_kept = True
+        self.graph_kept = self._building_graph = True
+        for group in self.all_groups:
+            group.held_by_graph = True
 
     def pre_backward(self, group: ShardGroup) -> None:
         if not self._in_backward:
@@ -363,10 +360,7 @@ class RaggedFSDPState:
                 elif not dbuffer.single_rank:  # every rank that ran the group holds its buffers, so which
                     # DBuffers a synchronized backward reduces never depends on where this rank's gradients reached
                     dbuffer.ensure_grad_buffer(accumulate=True)
-        if self.graph_kept:  # that graph reads the full parameters; the modules (clipping, an optimizer) the shards
-            group.set_aside()
-        else:
-            group.reshard_after_backward_step()
+        group.reshard_after_backward_step()  # held by a graph: set aside, the modules (clipping) see the shards
         group.end_backward()
 
     def _reduce(self, dbuffer: DBuffer, all_reduce: bool) -> None:
@@ -389,7 +383,7 @@ class RaggedFSDPState:
             accumulated = self.syncs(group) and any(d.has_unsharded_grad for d in group.dbuffers)
             if group.backward_prepared or group.forward_calls or accumulated:
                 self._finish_group(group)
-            elif (group.is_unsharded or group.unshard_pending) and not self.graph_kept:
+            elif group.is_unsharded or group.unshard_pending:
                 # ran forward with reshard_after_forward=False but got no gradient, or was prefetched and did not
                 # run: a gather left pending would be used after the optimizer step, with the old values
                 group.reshard_after_backward_step()
@@ -400,6 +394,12 @@ class RaggedFSDPState:
         self._finish_in_flight()
         self._reduced = {}
         self._in_backward = False
+        if self.graph_kept and not self._building_graph:  # the graph was backpropagated through: free as usual
+            self.graph_kept = False
+            for group in self.all_groups:
+                group.held_by_graph = False
+                group.reshard_after_backward_step()
+        self._building_graph = False
         gathered = {group for group in self.all_groups if group.is_unsharded}
         for dbuffer in reduced:  # the gradients are final: optimizer-in-backward hooks may step and zero them
             dbuffer.run_post_accumulate_grad_hooks()

@@ -70,6 +70,9 @@ class ShardGroup:
         """Kept unsharded until the root's forward ends (and, training, until its backward): its parameters are
         read outside its own forward, or the first forward is finding out (``direct_reads.py``)."""
         self.read_outside_forward = False
+        self.held_by_graph = False
+        """A backward built a graph that saved the full parameters (``create_graph=True``: ``hook_modes.py``): they are
+        never freed, only set aside, until a backward that builds none ends (``runtime.py``)."""
         self.mp_policy = None
         self.output_dtype: torch.dtype | None = None
         """The module's floating-point outputs cast to this dtype: ``mp_policy.output_dtype`` of the group whose
@@ -196,7 +199,11 @@ class ShardGroup:
                     dbuffer.unsharded._version, dbuffer.sharded._version  # the full buffer still equals the shards
 
     def reshard(self) -> None:
-        """Free the full parameters and point the modules back at the shards."""
+        """Free the full parameters and point the modules back at the shards (only the latter while a graph holds
+        them: freed storage read by that graph's backward would crash it)."""
+        if self.held_by_graph:
+            self.set_aside()
+            return
         self.keep_full_writes()
         for dbuffer in self.dbuffers:
             dbuffer.reshard()
@@ -215,7 +222,7 @@ class ShardGroup:
         """After forward: free everything, keep a 1/int part (``reshard_after_forward=int``), or keep all."""
         if self.reshard_after_forward is False:
             return
-        if self.reshard_after_forward is True or self.reshard_after_forward is None:
+        if self.reshard_after_forward is True or self.reshard_after_forward is None or self.held_by_graph:
             self.reshard()
             return
         self.keep_full_writes()

@@ -19,12 +19,17 @@ from tests.test_strategy import ROOT, _clean_env
 HANG_S = 300  # a hang would last the process-group timeout; the job itself takes ~AGREEMENT_S + start-up
 
 
-def test_one_rank_failing_alone_exits_without_a_half_save(tmp_path) -> None:
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "exception_job.py"), str(tmp_path)],
+def _job_log(tmp_path, *mode: str) -> tuple[int, str]:
+    """Run ``tests/exception_job.py`` in ``mode``: its exit code and its output."""
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "exception_job.py"), str(tmp_path), *mode],
                           env=_clean_env(OMP_NUM_THREADS="1"), cwd=ROOT, capture_output=True, text=True,
                           timeout=HANG_S)
-    log = proc.stdout + proc.stderr
-    assert proc.returncode != 0, log[-3000:]
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+def test_one_rank_failing_alone_exits_without_a_half_save(tmp_path) -> None:
+    returncode, log = _job_log(tmp_path)
+    assert returncode != 0, log[-3000:]
     assert "boom: a failure on rank 1 only" in log, log[-3000:]  # the real error is shown, not hidden by a hang
     assert "[rank 1] RaggedFSDPStrategy: RuntimeError on this rank, but not every rank" in log, log[-3000:]
     # rank 0 then fails in its all-gather (PeerLostError) or is killed first by Lightning's launcher, which stops the
@@ -38,11 +43,8 @@ def test_one_rank_failing_alone_exits_without_a_half_save(tmp_path) -> None:
 def test_one_rank_failing_alone_with_nothing_to_save_exits_without_waiting(tmp_path) -> None:
     # No on_exception hook saves (ModelCheckpoint's default): before, the failing rank still waited the agreement's
     # bounded time (60 s by default, AGREEMENT_S here) for the others before exiting; DDP exits at once
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "exception_job.py"), str(tmp_path), "no-saver"],
-                          env=_clean_env(OMP_NUM_THREADS="1"), cwd=ROOT, capture_output=True, text=True,
-                          timeout=HANG_S)
-    log = proc.stdout + proc.stderr
-    assert proc.returncode != 0, log[-3000:]
+    returncode, log = _job_log(tmp_path, "no-saver")
+    assert returncode != 0, log[-3000:]
     assert "boom: a failure on rank 1 only" in log, log[-3000:]
     assert "not every rank is handling an exception" not in log, log[-3000:]  # nobody waited for an agreement
     periodic = sorted((tmp_path / "periodic").iterdir())
@@ -53,10 +55,7 @@ def test_sigterm_on_one_rank_mid_step_stops_every_rank_at_the_same_batch(tmp_pat
     # Before (Lightning's handler): rank 1 broadcast inside the handler while rank 0 was in the step's
     # all-gather; both waited the whole timeout, then OnExceptionCheckpoint failed on the broken group
     # (CheckpointPeerLostError) and nothing was written. Now both stop after that step and it is saved.
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "exception_job.py"), str(tmp_path), "sigterm"],
-                          env=_clean_env(OMP_NUM_THREADS="1"), cwd=ROOT, capture_output=True, text=True,
-                          timeout=HANG_S)
-    log = proc.stdout + proc.stderr
+    _, log = _job_log(tmp_path, "sigterm")
     for rank in (0, 1):
         assert f"[rank {rank}] stopped at step 3: SIGTERMException" in log, log[-3000:]
     assert "Timed out" not in log and "not every rank" not in log, log[-3000:]
@@ -74,11 +73,8 @@ def test_ranks_out_of_step_after_a_failed_collective_skip_the_exception_save(tmp
     # Every rank raised, but in different collectives (a barrier only rank 1 called): before, the agreement
     # passed and OnExceptionCheckpoint's first collective paired with a stale one, failing after the save
     # timeout with a misleading "CheckpointPeerLostError ... a network fault between live ranks"
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "exception_job.py"), str(tmp_path), "out-of-step"],
-                          env=_clean_env(OMP_NUM_THREADS="1"), cwd=ROOT, capture_output=True, text=True,
-                          timeout=HANG_S)
-    log = proc.stdout + proc.stderr
-    assert proc.returncode != 0, log[-3000:]
+    returncode, log = _job_log(tmp_path, "out-of-step")
+    assert returncode != 0, log[-3000:]
     for rank, error in ((0, "CollectiveTimeoutError: collective all_gather"), (1, "RuntimeError: [")):
         assert f"[rank {rank}] RaggedFSDPStrategy: a collective failed on ranks [0, 1] (here: {error}" in log, log[-3000:]
     assert "CheckpointPeerLostError" not in log, log[-3000:]

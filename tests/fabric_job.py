@@ -125,9 +125,11 @@ def main(out: Path) -> None:
     reloaded = full.setup_module(make_model(seed=9))
     reloaded_ema = make_ema(reloaded)
     state = {"model": reloaded, "ema": reloaded_ema, "step": 0}
-    full.load(out / "full.ckpt", state)
+    results["reloaded_remainder"] = full.load(out / "full.ckpt", state)
     results["reloaded"], results["reloaded_step"] = lr.full_state_dict(reloaded.module), state["step"]
     results["ema_reloaded"] = average_of(reloaded_ema, reloaded)
+    renamed = full.setup_module(make_model(seed=11))
+    results["renamed_remainder"] = full.load(out / "full.ckpt", {"net": renamed}, strict=False)
     # fabric.load_raw: a plain state-dict file; a filtered save (only the norms) loaded with strict=False
     if full.global_rank == 0:
         torch.save(results["replica"], out / "raw.pt")

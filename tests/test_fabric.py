@@ -122,6 +122,23 @@ def test_fabric_checkpoint_reshards_into_hsdp_and_one_full_file(fabric_run, orac
     assert all(torch.equal(results["reloaded"][k], v) for k, v in results["replica"].items())
 
 
+def test_fabric_load_of_a_full_file_returns_what_it_did_not_restore(fabric_run) -> None:
+    """As Fabric's DDP and FSDP: a state without the optimizer gets the file's optimizer state back in the remainder,
+    and a module under another key (strict=False) restores nothing and gets the saved module back. Before, both were
+    dropped: the remainder was {} and {'step': ..., 'ema': ...}."""
+    results, out = fabric_run
+    saved = torch.load(out / "full.ckpt", weights_only=True)
+    user_keys = set(saved) - {"fabric_state", "ragged_checkpoint"}
+    for remainder, restored in ((results["reloaded_remainder"], {"model", "ema", "step"}),
+                                (results["renamed_remainder"], set())):
+        assert set(remainder) == user_keys - restored
+        assert remainder["optimizer"]["param_groups"] == saved["optimizer"]["param_groups"]
+        for index, state in saved["optimizer"]["state"].items():
+            assert all(torch.equal(remainder["optimizer"]["state"][index][k], v) for k, v in state.items())
+    model = results["renamed_remainder"]["model"]
+    assert set(model) == set(saved["model"]) and all(torch.equal(model[k], v) for k, v in saved["model"].items())
+
+
 def test_fabric_load_raw_and_a_filtered_save(fabric_run) -> None:
     """``load_raw`` slices a plain state-dict file into the shards; a save filtered to the norms, loaded with
     ``strict=False``, sets exactly those and leaves every other tensor as it was (LoRA-style partial saves)."""

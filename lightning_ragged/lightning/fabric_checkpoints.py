@@ -143,6 +143,8 @@ def load(
             load_sharded_model_state_dict(module, info, strict=strict)
             for index, optimizer in indices.items():
                 load_sharded_optimizer_state_dict(module, optimizer, info, f"optimizer_{index}")
+    if path.is_file():
+        rest.update(_unrestored(checkpoint, record, module_key, optimizer_keys))
     for key, value in state.items():
         if key == module_key or key in optimizer_keys or key not in rest:
             continue
@@ -170,6 +172,18 @@ def _in_our_layout(checkpoint: dict[str, Any], module_key: str, optimizer_keys: 
     ours.update({"state_dict": checkpoint[module_key], "optimizer_states": [checkpoint[key] for key in saved],
                  USER_KEYS: {"module": module_key, "optimizers": saved}})
     return ours
+
+
+def _unrestored(checkpoint: dict[str, Any], record: dict[str, Any], module_key: str,
+                optimizer_keys: list[str]) -> dict[str, Any]:
+    """A single file's module and optimizer states that no object of the state restored, under the keys they were
+    saved with: Fabric's DDP and FSDP return them in the remainder (a sharded directory's need their objects)."""
+    saved = checkpoint.get("optimizer_states", [])
+    unrestored = {key: saved[index] for index, key in enumerate(record["optimizers"][:len(saved)])
+                  if key not in optimizer_keys}
+    if record["module"] != module_key:
+        unrestored[record["module"]] = checkpoint.get("state_dict", checkpoint.get(MODEL_KEY, {}))
+    return unrestored
 
 
 def _averages(state: State) -> list[str]:

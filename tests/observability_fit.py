@@ -57,7 +57,9 @@ class LM(pl.LightningModule):
         self.model = make_model()
 
     def training_step(self, batch, batch_idx):
-        return lm_loss(self.model, batch)
+        loss = lm_loss(self.model, batch)
+        self.log("train_loss", loss)  # Lightning's own step numbering, for the callback's records to line up with
+        return loss
 
     def validation_step(self, batch, batch_idx):  # inside fit: its all-gathers are not a step's (metrics)
         self.log("val_loss", lm_loss(self.model, batch), sync_dist=True)
@@ -128,5 +130,6 @@ def main(out: Path, port: int) -> None:
     records = [(step, {k: v for k, v in m.items() if k.startswith("ragged_fsdp/")}) for step, m in logger.records]
     records = [(step, values) for step, values in records if values]  # not the validation's own records
     validations = sum("val_loss" in m for _, m in logger.records)
+    loss_steps = [step for step, m in logger.records if "train_loss" in m]
     out.write_text(json.dumps(dict(seen=probe.seen, after_fit=after, buffers=buffers, records=records,
-                                   validations=validations)))
+                                   validations=validations, loss_steps=loss_steps)))

@@ -36,6 +36,13 @@ from lightning_ragged.observability.tuning import (
 )
 
 
+def _logging_step(trainer: Any) -> int:
+    """The step Lightning logs this batch's ``self.log`` values at (its batches that stepped before this one,
+    ``global_step - 1`` with one optimizer), so the window's values line up with the loss of the same step."""
+    loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
+    return getattr(loop, "_batches_that_stepped", trainer.global_step - 1)
+
+
 def _rank_zero(trainer: Any) -> bool:
     return getattr(trainer, "global_rank", 0) == 0
 
@@ -173,8 +180,9 @@ class RaggedFSDPMetrics(Callback):
         if self.monitor is not None:
             self.monitor.step_finished(step)
         every = self.log_every_n_steps or trainer.log_every_n_steps
-        if every and step % every == 0:
-            self._publish(trainer, step)
+        logged = _logging_step(trainer)
+        if every and (logged + 1) % every == 0:
+            self._publish(trainer, logged)
 
     def _publish(self, trainer: Any, step: int) -> None:
         assert self.metrics is not None

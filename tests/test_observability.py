@@ -430,6 +430,11 @@ def test_counts_after_a_resume_with_accumulation_and_health_during_a_long_valida
     health = run["health"]
     assert health["status"] == "ok" and health["ranks_missing"] == [] and health["global_step"] == 4, health
     assert health["seconds_since_last_step"] > 1.0  # longer than health_timeout without a training step
+    # a checkpoint save longer than health_timeout, on every rank, is no stall either (before: 503, both missing)
+    saving = run["health_saving"]
+    assert saving["status"] == "ok" and saving["ranks_missing"] == [] and saving["ranks_saving"] == [0, 1], saving
+    assert saving["global_step"] == 3 and saving["seconds_since_last_step"] > 1.0, saving
+    assert health["ranks_saving"] == []  # training went on after the save
 
 
 def check_one_rank_shard_groups_count_only_replica_traffic() -> dict:

@@ -86,6 +86,7 @@ class Monitor:
         self.global_step = global_step
         self.last_step_time: Optional[float] = None
         self.progress_time: Optional[float] = None
+        self.saving = False
         self.started_time = time.time()
         self.snapshot: dict[str, float] = {}
         self.rank = dist.get_rank() if dist.is_initialized() else 0
@@ -108,6 +109,14 @@ class Monitor:
     def progressed(self) -> None:
         """Work other than a training step finished (an evaluation batch): this rank is alive."""
         self.progress_time = time.time()
+
+    def saving_checkpoint(self, active: bool) -> None:
+        """A checkpoint save began (True) or training went on after one (False). While a save runs, the heartbeat
+        itself is this rank's progress: a save takes as long as it takes, and a stuck one ends in its collectives'
+        timeout (``CheckpointTimeoutError``), so a liveness probe need not restart the job mid-save."""
+        if self.saving and not active:
+            self.progress_time = time.time()
+        self.saving = active
 
     def update(self, values: dict[str, float]) -> None:
         self.snapshot = values
@@ -179,7 +188,7 @@ class Monitor:
 
     def _record(self) -> dict[str, Any]:
         return {"step": self.global_step, "last_step": self.last_step_time, "start": self.started_time,
-                "progress": self.progress_time}
+                "progress": time.time() if self.saving else self.progress_time, "saving": self.saving}
 
     def _beat_forever(self) -> None:
         while not self._stop.wait(self.heartbeat_interval):
@@ -200,6 +209,7 @@ class Monitor:
                 except (RuntimeError, ValueError):
                     pass
         reporting, missing = [], []
+        saving = [rank for rank, record in sorted(records.items()) if record.get("saving")]
         for rank in range(self.world_size):
             record = records.get(rank)
             last = None if record is None else (record.get("progress") or record.get("last_step") or record.get("start"))
@@ -218,6 +228,7 @@ class Monitor:
             "world_size": self.world_size,
             "ranks_reporting": reporting,
             "ranks_missing": missing,
+            "ranks_saving": saving,
             "health_timeout_s": self.health_timeout,
         }
 

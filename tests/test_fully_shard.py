@@ -884,18 +884,38 @@ def test_a_parameter_larger_than_dbuffer_size_gets_a_dbuffer_of_its_own():
     assert [[n for n, _ in run] for run in runs] == [["a"], ["big"], ["b", "c"], ["d"]]
 
 
+class LoggingLBFGS(torch.optim.LBFGS):
+    """A user's subclass (logging, a scheduler hook): refused as its base."""
+
+
+class Lamb(torch.optim.SGD):
+    """Another library's LAMB (timm, apex, torch_optimizer: none installed here): refused by its name, whatever
+    the module; its body does not matter to the check."""
+
+
 def check_whole_tensor_optimizers_are_refused() -> dict:
+    from functools import partial
+
+    from transformers.optimization import Adafactor as HFAdafactor
+
     model = lr.fully_shard(make_model(), shard_granularity="row")
     messages = {}
-    for kind in (torch.optim.LBFGS, torch.optim.Adafactor):
+    for name, kind in (("LBFGS", torch.optim.LBFGS), ("Adafactor", torch.optim.Adafactor),
+                       ("LoggingLBFGS", LoggingLBFGS), ("SparseAdam", torch.optim.SparseAdam), ("transformers Adafactor", partial(HFAdafactor, relative_step=False)), ("Lamb", Lamb)):
         optimizer = kind(model.parameters(), lr=0.1)
         lm_loss(model, make_batches(1, 4)[0]).backward()
         try:
-            optimizer.step(lambda: lm_loss(model, make_batches(1, 4)[0])) if kind is torch.optim.LBFGS else optimizer.step()
-            messages[kind.__name__] = None
+            if isinstance(optimizer, torch.optim.LBFGS):
+                optimizer.step(lambda: lm_loss(model, make_batches(1, 4)[0]))
+            else:
+                optimizer.step()
+            messages[name] = None
         except ValueError as error:
-            messages[kind.__name__] = str(error)
+            messages[name] = str(error)
         model.zero_grad()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)  # element-wise: trains
+    lm_loss(model, make_batches(1, 4)[0]).backward()
+    optimizer.step()
     return messages
 
 
@@ -906,3 +926,10 @@ def test_torch_optimizers_that_need_whole_tensors_are_refused_on_shards(dist_poo
         assert messages["LBFGS"].startswith("torch.optim.LBFGS cannot train parameters lightning_ragged.fully_shard")
         assert "line-search" in messages["LBFGS"] and "DDP" in messages["LBFGS"]
         assert messages["Adafactor"].startswith("torch.optim.Adafactor cannot train") and "AdamW" in messages["Adafactor"]
+        # before: a subclass of LBFGS trained 0.59 from one process and transformers' Adafactor (T5's usual
+        # optimizer) 2.4e-2, silently (it factors only >= 2-D gradients, and scales by each tensor's RMS)
+        assert messages["LoggingLBFGS"].startswith("LoggingLBFGS (a torch.optim.LBFGS) cannot train")
+        # an Embedding(sparse=True)'s gradient lands dense: torch's own error named no cause
+        assert messages["SparseAdam"].startswith("torch.optim.SparseAdam cannot train") and "dense" in messages["SparseAdam"]
+        assert messages["transformers Adafactor"].startswith("transformers.optimization.Adafactor cannot train")
+        assert messages["Lamb"].startswith("tests.test_fully_shard.Lamb cannot train") and "trust ratio" in messages["Lamb"]

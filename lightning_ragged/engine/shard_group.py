@@ -20,6 +20,7 @@ from lightning_ragged.engine.dbuffer import DBuffer
 from lightning_ragged.engine.full_writes import keep_full_writes, writes_kept
 from lightning_ragged.engine.shard_cast import drop_at_optimizer_steps
 from lightning_ragged.engine.grouping import needs_params_in_backward
+from lightning_ragged.engine.substituted_params import is_substitute, refuse_substitute
 
 
 class ShardGroup:
@@ -52,6 +53,8 @@ class ShardGroup:
         """Each DBuffer's full buffer's version at its last gather: moved by writes to be kept (``full_writes.py``)."""
         drop_at_optimizer_steps(self)
         self.slots = slots
+        self.pointed: list[torch.Tensor | None] = [None] * len(slots)
+        """What the engine last put in each slot: anything else there was a caller's (``substituted_params.py``)."""
         self.is_root = is_root
         self.reshard_after_forward: bool | int | None = reshard_after_forward
         self.root_part = is_root
@@ -185,7 +188,7 @@ class ShardGroup:
         """Unshard (waiting for a prefetch if one is in flight) and point the modules at full parameters."""
         self.unshard()
         self.wait_unshard()
-        self.point_slots_at(lambda dbuffer, name: dbuffer.unsharded_params[name])
+        self.point_slots_at(lambda dbuffer, name: dbuffer.unsharded_params[name], substitutes="refuse others")
 
     def keep_full_writes(self) -> None:
         """In-place writes to the full parameters since their gather go to the shards (``full_writes.py``), unless the
@@ -237,11 +240,16 @@ class ShardGroup:
         self.use_sharded()
 
     def use_sharded(self) -> None:
-        self.point_slots_at(lambda dbuffer, name: dbuffer.sharded_params[name])
+        self.point_slots_at(lambda dbuffer, name: dbuffer.sharded_params[name], substitutes="keep")
 
-    def point_slots_at(self, pick: Callable[[DBuffer, str], nn.Parameter]) -> None:
-        """Set every module slot of this group to ``pick(dbuffer, name)`` (shards, full views, or other tensors)."""
-        for module, attr, dbuffer, name in self.slots:
+    def point_slots_at(self, pick: Callable[[DBuffer, str], nn.Parameter], substitutes: str = "overwrite") -> None:
+        """Set every module slot of this group to ``pick(dbuffer, name)`` (shards, full views, or other tensors).
+
+        ``substitutes``: what to do with a tensor the engine did not put in a slot (``substituted_params.py``):
+        "keep" a caller's full-shape one (between forward and ``functional_call``'s end), also "refuse others"
+        (forward), or "overwrite" it.
+        """
+        for index, (module, attr, dbuffer, name) in enumerate(self.slots):
             if attr not in module._parameters:
                 raise RuntimeError(
                     f"parameter '{_model_name(dbuffer, name)}' ({type(module).__name__}.{attr}) is no longer registered "
@@ -251,7 +259,14 @@ class ShardGroup:
                     "they would run on 1-D shards. Apply them before fully_shard: the engine then shards the "
                     "parameters they register and they see whole tensors in forward"
                 )
-            module._parameters[attr] = pick(dbuffer, name)
+            current, pointed = module._parameters[attr], self.pointed[index]
+            if substitutes != "overwrite" and pointed is not None and current is not pointed:
+                shape = dbuffer.sharded_params[name].ragged_shard.global_shape
+                if is_substitute(current, shape):
+                    continue
+                if substitutes == "refuse others":
+                    refuse_substitute(current, shape, _model_name(dbuffer, name))
+            module._parameters[attr] = self.pointed[index] = pick(dbuffer, name)
 
     # ------------------------------------------------------------- gradients
     def count_backward_calls(self) -> None:

@@ -89,3 +89,36 @@ def check_surgery_after_sharding(kind: str) -> str:
 @pytest.mark.parametrize("kind", ["prune", "two_parametrizations"])
 def test_surgery_after_sharding_is_refused_by_name(dist_pool, kind):
     assert dist_pool(2).run(check_surgery_after_sharding, kind) == ["refused", "refused"]
+
+
+def _reads_weight(module: nn.Module, _args: tuple, output: torch.Tensor) -> torch.Tensor:
+    """A forward hook whose output depends on the module's whole weight (a weight-dependent term)."""
+    return output + 0.01 * module.weight.sum()
+
+
+def check_forward_hooks_registered_after_sharding(grouping: str) -> float:
+    """Hooks registered on sharded modules after ``fully_shard`` run before the group's reshard: they read the full
+    weight, as hooks registered before. Before: the 1-D shard (shape (128,) on one rank, (0,) on another), a
+    per-rank output, 1.4e-3 from one process after 2 steps, silently (FSDP2 raises on its DTensors)."""
+    world = dist.get_world_size()
+    oracle = _model()
+    for index in (0, 2):
+        oracle[index].register_forward_hook(_reads_weight)
+    oracle = _train(oracle, -1, world)
+    model = _model()
+    if grouping == "each-linear":
+        for index in (0, 2, 4):
+            lr.fully_shard(model[index])
+    else:  # FSDP2's list call: one group of two modules, resharded after the last of them
+        lr.fully_shard([model[0], model[2]])
+    lr.fully_shard(model)
+    for index in (0, 2):
+        model[index].register_forward_hook(_reads_weight)
+    full = lr.full_state_dict(_train(model, dist.get_rank(), world))
+    return max((full[name] - value).abs().max().item() for name, value in oracle.state_dict().items())
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("grouping", ["each-linear", "list"])
+def test_forward_hooks_registered_after_sharding_read_full_weights(dist_pool, world_size, grouping):
+    assert max(dist_pool(world_size).run(check_forward_hooks_registered_after_sharding, grouping)) <= 1e-6

@@ -9,7 +9,7 @@ when a gradient is complete. What the hooks call is ``runtime.py``'s.
 from __future__ import annotations
 
 import sys
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -75,13 +75,9 @@ def install_hooks(state: RaggedFSDPState) -> None:
                     eager(lambda _m, _a, output, g=group: state.hook_backward(g, output))
                 ))
         elif len(group.members) == 1:  # every call of a block gathers it and is done with it
-            handles.append(group.module.register_forward_pre_hook(
-                eager(lambda _m, args, kwargs, g=group: state.pre_forward(g, args, kwargs)), with_kwargs=True,
-                prepend=True,
-            ))
-            handles.append(group.module.register_forward_hook(
-                eager(lambda _m, _a, output, g=group: state.post_forward(g, output))
-            ))
+            post = group.module.register_forward_hook(eager(lambda _m, _a, output, g=group: state.post_forward(g, output)))
+            pre = _post_hook_last(post, lambda _m, args, kwargs, g=group: state.pre_forward(g, args, kwargs))
+            handles += [group.module.register_forward_pre_hook(eager(pre), with_kwargs=True, prepend=True), post]
         else:
             _hook_members(state, group)
         for dbuffer, name, param in group.unsharded_params():
@@ -109,8 +105,23 @@ def _hook_members(state: RaggedFSDPState, group: ShardGroup) -> None:
         return output if group.members_to_run else state.post_forward(group, output)
 
     for member in group.members:
-        state.handles.append(member.register_forward_pre_hook(eager(pre_hook), with_kwargs=True, prepend=True))
-        state.handles.append(member.register_forward_hook(eager(post_hook)))
+        post = member.register_forward_hook(eager(post_hook))
+        pre = _post_hook_last(post, pre_hook)
+        state.handles += [member.register_forward_pre_hook(eager(pre), with_kwargs=True, prepend=True), post]
+
+
+def _post_hook_last(post: Any, pre_hook: Callable[..., Any]) -> Callable[..., Any]:
+    """``pre_hook``, first moving the group's post-forward hook (its reshard) behind the module's other forward
+    hooks, also those registered after sharding: they read full parameters, as hooks registered before do
+    (before: the 1-D shards, a per-rank result, silently; FSDP2 raises on its DTensors)."""
+
+    def hook(module: nn.Module, args: tuple, kwargs: dict) -> Any:
+        hooks = module._forward_hooks
+        if post.id in hooks and next(reversed(hooks)) != post.id:  # a dict move, once per hook added
+            hooks.move_to_end(post.id)
+        return pre_hook(module, args, kwargs)
+
+    return hook
 
 
 def refuse_forward_until_adopted(state: RaggedFSDPState, label: str) -> None:

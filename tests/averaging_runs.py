@@ -104,6 +104,16 @@ def run(results: dict) -> None:
             results[f"{name}_ckpt_n_averaged"] = int(saved["averaging_state"]["n_averaged"])
         results["ddp_ckpt_n_averaged"] = int(reference["averaging_state"]["n_averaged"])
 
+    # validate(ckpt_path=...) after the fit, the callback still holding its average: DDP validates the checkpoint's
+    # average and leaves the module on the checkpoint's trained weights (before: KeyError 'state_dict' on every rank)
+    for name in dirs:
+        trainers[name].validate(models[name], token_loader(2 * BATCH, BATCH, seed=5), ckpt_path=step3[name],
+                                verbose=False)
+    for name in ("sharded", "full"):
+        results[f"{name}_validate_ckpt_diff"] = worst(abs(models[name].val_losses[-1] - models["ddp"].val_losses[-1]))
+        results[f"{name}_after_validate_diff"] = worst(max_diff(full_params(models[name]), full_params(models["ddp"])))
+    results["validate_ckpt_vs_final"] = worst(abs(models["ddp"].val_losses[-1] - models["ddp"].val_losses[-2]))
+
     # Resuming from step 3 (mid-epoch: Lightning replays the epoch's batches, under DDP alike).
     resumed = {name: _fresh() for name in ("ddp", "sharded", "full", "relayout")}
     _fit("ddp", resumed["ddp"], ckpt_path=step3["ddp"])

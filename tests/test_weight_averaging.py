@@ -45,6 +45,14 @@ def test_checkpoints_hold_the_average_and_the_trained_weights_as_ddps_do(main_ru
         assert run[f"{name}_ckpt_n_averaged"] == run["ddp_ckpt_n_averaged"] == 3, run
 
 
+def test_validate_from_a_checkpoint_after_fit_uses_its_average_as_under_ddp(main_run: dict) -> None:
+    run = main_run["averaging"]
+    for name in ("sharded", "full"):
+        assert run[f"{name}_validate_ckpt_diff"] <= FP32_TOL, run
+        assert run[f"{name}_after_validate_diff"] <= FP32_TOL, run
+    assert run["validate_ckpt_vs_final"] > 100 * FP32_TOL, run  # step 3's average is not the end's
+
+
 def test_resuming_restores_the_average_and_the_weights_in_any_layout(main_run: dict) -> None:
     run = main_run["averaging"]
     assert run["resume_steps"] == 3, run  # steps 4-6 trained after the restore

@@ -53,8 +53,9 @@ class ShardGroup:
         """Each DBuffer's full buffer's version at its last gather: moved by writes to be kept (``full_writes.py``)."""
         drop_at_optimizer_steps(self)
         self.slots = slots
-        self.pointed: list[torch.Tensor | None] = [None] * len(slots)
-        """What the engine last put in each slot: anything else there was a caller's (``substituted_params.py``)."""
+        self.pointed: dict[tuple[int, str], torch.Tensor] = {}
+        """What the engine last put in each (module, attribute) slot (a module reachable under two names is listed
+        twice): anything else there was a caller's (``substituted_params.py``)."""
         self.is_root = is_root
         self.reshard_after_forward: bool | int | None = reshard_after_forward
         self.root_part = is_root
@@ -249,7 +250,7 @@ class ShardGroup:
         "keep" a caller's full-shape one (between forward and ``functional_call``'s end), also "refuse others"
         (forward), or "overwrite" it.
         """
-        for index, (module, attr, dbuffer, name) in enumerate(self.slots):
+        for module, attr, dbuffer, name in self.slots:
             if attr not in module._parameters:
                 raise RuntimeError(
                     f"parameter '{_model_name(dbuffer, name)}' ({type(module).__name__}.{attr}) is no longer registered "
@@ -259,14 +260,14 @@ class ShardGroup:
                     "they would run on 1-D shards. Apply them before fully_shard: the engine then shards the "
                     "parameters they register and they see whole tensors in forward"
                 )
-            current, pointed = module._parameters[attr], self.pointed[index]
+            current, pointed = module._parameters[attr], self.pointed.get((id(module), attr))
             if substitutes != "overwrite" and pointed is not None and current is not pointed:
                 shape = dbuffer.sharded_params[name].ragged_shard.global_shape
                 if is_substitute(current, shape):
                     continue
                 if substitutes == "refuse others":
                     refuse_substitute(current, shape, _model_name(dbuffer, name))
-            module._parameters[attr] = self.pointed[index] = pick(dbuffer, name)
+            module._parameters[attr] = self.pointed[(id(module), attr)] = pick(dbuffer, name)
 
     # ------------------------------------------------------------- gradients
     def count_backward_calls(self) -> None:

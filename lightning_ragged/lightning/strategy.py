@@ -543,11 +543,15 @@ class RaggedFSDPStrategy(RaggedParallel, ParallelStrategy):
         path = self.broadcast(checkpoint_path)
         trainer = self.lightning_module._trainer
         fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
+        # validate/test/predict(ckpt_path=...) after a fit with weight averaging: the callback still holds its
+        # average and restores it (and the current weights) from the checkpoint, as when fitting
+        averaging = trainer is not None and any(getattr(c, "_average_model", None) is not None for c in trainer.callbacks)
         return self.ragged_checkpoints.load(
             self.model,
             self.optimizers,
             path,
             fitting=fitting,
+            with_model_states=fitting or averaging,
             strict=self.lightning_module.strict_loading,
             weights_only=weights_only,
             before_optimizers=lambda rest: restore_finetuning_groups(trainer, self.lightning_module, rest),

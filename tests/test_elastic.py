@@ -64,12 +64,33 @@ def test_torchrun_world_and_restart_count_from_the_environment():
     assert restart_count({"TORCHELASTIC_RESTART_COUNT": "2"}) == 2 and restart_count({}) == 0
     shared = {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "1", "TORCHELASTIC_USE_AGENT_STORE": "True",
               "TORCHELASTIC_MAX_RESTARTS": "3", "RANK": "0"}
-    with pytest.warns(UserWarning, match="TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"):
+    with pytest.warns(UserWarning, match="TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 and the c10d rendezvous") as caught:
         torchrun_world(shared)
+    assert "static rendezvous" not in str(caught[0].message)
+    # the variable set and the store still shared: the static rendezvous (measured: restarts fail to connect with
+    # the variable set; --standalone or --rdzv-backend=c10d restart fine). Before, the warning said to set it
+    with pytest.warns(UserWarning, match="static rendezvous .* add --rdzv-backend=c10d or --standalone"):
+        torchrun_world({**shared, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         torchrun_world({**shared, "TORCHELASTIC_USE_AGENT_STORE": "False"})
         torchrun_world({**shared, "TORCHELASTIC_MAX_RESTARTS": "0"})
+
+
+def test_a_per_node_device_count_torchrun_did_not_start_is_refused_before_launch(monkeypatch) -> None:
+    """``torchrun --nproc-per-node 2`` on one node with ``Trainer(devices=1, num_nodes=2)``: the product matches the
+    world (what Lightning checks), the node does not. Before: a bare ``IndexError`` in ``root_device`` at setup (DDP
+    the same); now the Trainer's constructor names both counts and the fix."""
+    import lightning.pytorch as pl
+
+    from lightning_ragged import RaggedFSDPStrategy
+
+    for key, value in {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0", "GROUP_RANK": "0",
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500", "TORCHELASTIC_RUN_ID": "x"}.items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(ValueError, match=r"devices=1 per node, but torchrun started 2 processes on this node .*"
+                                         r"Trainer\(devices=2, num_nodes=1\)"):
+        pl.Trainer(accelerator="cpu", devices=1, num_nodes=2, strategy=RaggedFSDPStrategy(), logger=False)
 
 
 def _save_plain_checkpoint(path: Path, step: int) -> None:

@@ -59,7 +59,8 @@ def torchrun_world(env: Optional[Mapping[str, str]] = None) -> dict[str, int]:
     if local < 1 or world % local:
         raise ValueError(f"WORLD_SIZE={world} is not a multiple of LOCAL_WORLD_SIZE={local}")
     if shared_store_breaks_restarts(env) and int(env.get("RANK", "0")) == 0:
-        warnings.warn(SHARED_STORE_WARNING, stacklevel=2)
+        disabled = env.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "") not in ("", "0")
+        warnings.warn(SHARED_STORE_WARNING + (STATIC_RENDEZVOUS_HINT if disabled else ""), stacklevel=2)
     return {"num_nodes": world // local, "devices": local}
 
 
@@ -67,7 +68,12 @@ SHARED_STORE_WARNING = (
     "torchrun shares its agent's TCPStore with the workers (TORCHELASTIC_USE_AGENT_STORE=True) and may restart "
     "them (--max-restarts > 0): the store outlives a restart, so the restarted workers can read the dead round's "
     "gloo/NCCL addresses and fail to connect ('Connection refused'; pytorch/pytorch#135712). Start torchrun with "
-    "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (docs/operations.md, 'Elastic resize')."
+    "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 and the c10d rendezvous (--rdzv-backend=c10d, or --standalone on one "
+    "node; docs/operations.md, 'Elastic resize')."
+)
+STATIC_RENDEZVOUS_HINT = (
+    " TORCH_DISABLE_SHARE_RDZV_TCP_STORE is set, yet the store is shared: this is torchrun's static rendezvous (no "
+    "--rdzv-backend given), which ignores the variable; add --rdzv-backend=c10d or --standalone."
 )
 
 

@@ -34,6 +34,7 @@ from typing import Any, Generator, Literal, Mapping, Optional, Sequence, Union
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins.environments import TorchElasticEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.types import ReduceOp
@@ -288,6 +289,15 @@ class RaggedFSDPStrategy(RaggedParallel, ParallelStrategy):
                 f"{type(self).__name__}: the Trainer settings do not match the cluster allocation "
                 f"({type(self.cluster_environment).__name__}): {error}"
             ) from None
+        local = os.environ.get("LOCAL_WORLD_SIZE")  # torchrun's processes on this node (Lightning checks the product)
+        if isinstance(self.cluster_environment, TorchElasticEnvironment) and local and int(local) != self.num_processes:
+            raise ValueError(
+                f"{type(self).__name__}: the Trainer settings do not match the cluster allocation "
+                f"(TorchElasticEnvironment): devices={self.num_processes} per node, but torchrun started {local} "
+                f"processes on this node (--nproc-per-node). Set Trainer(devices={local}, "
+                f"num_nodes={self.cluster_environment.world_size() // int(local)}), or pass "
+                "**lightning_ragged.lightning.elastic.torchrun_world()"
+            )
 
     def setup_environment(self) -> None:
         super().setup_environment()

@@ -411,7 +411,7 @@ def test_endpoint_serves_health_and_metrics_during_fit_and_closes_after(fit_run)
     text = seen["metrics"]
     for name in ("ragged_fsdp_all_gather_bytes_total", "ragged_fsdp_step_all_gather_bytes",
                  "ragged_fsdp_step_comm_hidden_ratio", 'ragged_fsdp_group_segment_size{group="root#0"}',
-                 "ragged_fsdp_ranks_reporting 2.0", "ragged_fsdp_global_step 3.0"):
+                 "ragged_fsdp_ranks_reporting 2.0", "ragged_fsdp_ranks_saving 0.0", "ragged_fsdp_global_step 3.0"):
         assert name in text, name
     assert fit_run["after_fit"].startswith("closed")
 

@@ -273,6 +273,7 @@ class _Collector:
             ("seconds_since_last_step", health["seconds_since_last_step"], "seconds since rank 0 finished a step"),
             ("world_size", health["world_size"], "ranks in the job"),
             ("ranks_reporting", len(health["ranks_reporting"]), "ranks that finished a step within the timeout"),
+            ("ranks_saving", len(health["ranks_saving"]), "ranks saving a checkpoint now"),
         ):
             if value is not None:
                 yield GaugeMetricFamily(f"ragged_fsdp_{name}", help_text, value=value)

@@ -113,6 +113,19 @@ def run(results: dict) -> None:
         results[f"{name}_validate_ckpt_diff"] = worst(abs(models[name].val_losses[-1] - models["ddp"].val_losses[-1]))
         results[f"{name}_after_validate_diff"] = worst(max_diff(full_params(models[name]), full_params(models["ddp"])))
     results["validate_ckpt_vs_final"] = worst(abs(models["ddp"].val_losses[-1] - models["ddp"].val_losses[-2]))
+    # ... and from a checkpoint saved without averaging, then a fit with the callback resumed from it: Lightning's
+    # callback starts both from its state_dict (before: KeyError 'state_dict' in both)
+    plain = {name: os.path.join(root, f"plain_{name}.ckpt") for name in ("ddp", "sharded")}
+    for name, strategy in (("ddp", lambda: "ddp"), ("sharded", RaggedFSDPStrategy)):
+        trainer = cpu_trainer(strategy(), 2, 2, enable_checkpointing=False)
+        trainer.fit(_fresh(), token_loader(4 * BATCH, BATCH))
+        trainer.save_checkpoint(plain[name])
+        trainers[name].validate(models[name], token_loader(2 * BATCH, BATCH, seed=5), ckpt_path=plain[name],
+                                verbose=False)
+        models[f"plain_{name}"] = _fresh()
+        _fit(strategy(), models[f"plain_{name}"], ckpt_path=plain[name])
+    results["validate_plain_diff"] = worst(abs(models["sharded"].val_losses[-1] - models["ddp"].val_losses[-1]))
+    results["resume_plain_diff"] = worst(max_diff(full_params(models["plain_sharded"]), full_params(models["plain_ddp"])))
 
     # Resuming from step 3 (mid-epoch: Lightning replays the epoch's batches, under DDP alike).
     resumed = {name: _fresh() for name in ("ddp", "sharded", "full", "relayout")}

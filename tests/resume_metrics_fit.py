@@ -35,7 +35,7 @@ class SlowValidation(LM):
 class ProbeHealth(pl.Callback):
     def __init__(self, port: int, save_to: Path) -> None:
         self.port, self.save_to, self.seen, self.seen_saving = port, save_to, None, None
-        self.saved = False
+        self.saved, self.seen_after_save = False, None
 
     def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0) -> None:
         if trainer.global_rank == 0 and batch_idx == 2:
@@ -46,6 +46,9 @@ class ProbeHealth(pl.Callback):
         if self.port is not None and trainer.global_step == SAVE_AFTER and not self.saved:
             self.saved = True
             trainer.save_checkpoint(self.save_to)
+            time.sleep(SAVE_S)  # a hang right after the save (a data loader, a collective) is a stall again
+            if trainer.global_rank == 0:
+                self.seen_after_save = self._health()
 
     def on_save_checkpoint(self, trainer, pl_module, checkpoint) -> None:  # after RaggedFSDPMetrics' (its order)
         if self.port is not None:
@@ -88,4 +91,4 @@ def main(out: Path, port: int) -> None:
     second, second_log, probe = _fit(root, 5, data, ckpt_path=root / "step2.ckpt", port=port)
     if second.global_rank == 0:
         out.write_text(json.dumps(dict(first=_per_step(first_log), resumed=_per_step(second_log), health=probe.seen,
-                                       health_saving=probe.seen_saving)))
+                                       health_saving=probe.seen_saving, health_after_save=probe.seen_after_save)))

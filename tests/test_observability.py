@@ -435,6 +435,10 @@ def test_counts_after_a_resume_with_accumulation_and_health_during_a_long_valida
     assert saving["status"] == "ok" and saving["ranks_missing"] == [] and saving["ranks_saving"] == [0, 1], saving
     assert saving["global_step"] == 3 and saving["seconds_since_last_step"] > 1.0, saving
     assert health["ranks_saving"] == []  # training went on after the save
+    # the save returned, then every rank hung longer than health_timeout: stalled (before the save's end cleared the
+    # mark, a hang after it read "ok", ranks_saving [0, 1], until the next batch)
+    after = run["health_after_save"]
+    assert after["status"] == "stalled" and after["ranks_saving"] == [] and after["ranks_missing"] == [0, 1], after
 
 
 def check_one_rank_shard_groups_count_only_replica_traffic() -> dict:

@@ -51,6 +51,7 @@ def test_validate_from_a_checkpoint_after_fit_uses_its_average_as_under_ddp(main
         assert run[f"{name}_validate_ckpt_diff"] <= FP32_TOL, run
         assert run[f"{name}_after_validate_diff"] <= FP32_TOL, run
     assert run["validate_ckpt_vs_final"] > 100 * FP32_TOL, run  # step 3's average is not the end's
+    assert run["validate_plain_diff"] <= FP32_TOL and run["resume_plain_diff"] <= FP32_TOL, run
 
 
 def test_resuming_restores_the_average_and_the_weights_in_any_layout(main_run: dict) -> None:

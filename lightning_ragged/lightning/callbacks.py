@@ -36,6 +36,13 @@ from lightning_ragged.observability.tuning import (
 )
 
 
+def checkpoint_saved(trainer: Any) -> None:
+    """The strategy finished (or failed) a checkpoint save: a hang after it reads as a stall again."""
+    for callback in getattr(trainer, "callbacks", []):
+        if isinstance(callback, RaggedFSDPMetrics) and callback.monitor is not None:
+            callback.monitor.saving_checkpoint(False)
+
+
 def _logging_step(trainer: Any) -> int:
     """The step Lightning logs this batch's ``self.log`` values at (its batches that stepped before this one,
     ``global_step - 1`` with one optimizer), so the window's values line up with the loss of the same step."""

@@ -111,17 +111,17 @@ class LightningCheckpointIO:
         path: str | os.PathLike,
         *,
         fitting: bool,
-        with_model_states: bool | None = None,
+        with_model_states: bool = False,
         strict: bool = True,
         weights_only: bool | None = None,
         before_optimizers: Callable[[dict[str, Any]], None] | None = None,
     ) -> dict[str, Any]:
         """Load the model's and the optimizers' states in place; return the rest for Lightning.
         ``before_optimizers(rest)`` runs where the optimizer states load (fitting, also when the file has none).
-        ``with_model_states`` (default: ``fitting``): also return the model's other saved states (``current_model_state``
-        beside the average in ``state_dict``) for ``WeightAveraging.on_load_checkpoint``."""
+        ``with_model_states`` (a ``WeightAveraging`` callback holds an average): also return the model's other saved
+        states (``current_model_state``) and ``state_dict`` (the shards just loaded), which its ``on_load_checkpoint``
+        reads, also from a checkpoint saved without averaging."""
         self.writer.wait()
-        model_states_wanted = fitting if with_model_states is None else with_model_states
         path = Path(path)
         trust = {"trust_checkpoint": self.trust_checkpoint, "verify_checksums": self.verify_checksums}
         if path.is_file():
@@ -141,7 +141,7 @@ class LightningCheckpointIO:
             load_sharded_model_state_dict(module, info, strict=strict)
             rest = info.rest()
             saved_states = info.format.get(MODEL_STATES_KEY, [])  # a Fabric save may hold an EMA's too: not ours
-            model_states = [key for key in MODEL_STATE_KEYS if key in saved_states] if model_states_wanted else []
+            model_states = [key for key in MODEL_STATE_KEYS if key in saved_states] if with_model_states else []
             for key in model_states:
                 rest[key] = load_model_state_copy(module, info, key, strict=strict)
             optimizer_count = info.optimizer_count
@@ -149,7 +149,7 @@ class LightningCheckpointIO:
                 load_sharded_optimizer_state_dict(module, optimizer, info, f"optimizer_{i}")
                 for i, optimizer in enumerate(optimizers)
             ]
-        if model_states_wanted and model_states:
+        if with_model_states:
             # WeightAveraging's on_load_checkpoint reads the average from "state_dict": the shards just loaded
             rest["state_dict"] = module.state_dict()
         if fitting and optimizers:

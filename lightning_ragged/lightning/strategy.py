@@ -50,7 +50,7 @@ import lightning.pytorch as pl
 from lightning_ragged.engine.api import DEFAULT_DBUFFER_SIZE, auto_plan_for, get_state, no_sync
 from lightning_ragged.engine.init_record import Recording, recording
 from lightning_ragged.layout.granularity import GranularityPolicy
-from lightning_ragged.lightning.callbacks import add_metrics_callback
+from lightning_ragged.lightning.callbacks import add_metrics_callback, checkpoint_saved
 from lightning_ragged.lightning.checkpoint_io import LightningCheckpointIO
 from lightning_ragged.lightning.exception_agreement import add_exception_agreement
 from lightning_ragged.lightning.knobs import check_strategy_knobs, without_fsdp2_defaults
@@ -540,7 +540,10 @@ class RaggedFSDPStrategy(RaggedParallel, ParallelStrategy):
         if self.out_of_step:  # nothing is written (exception_agreement.py)
             return
         self.ragged_checkpoints.state_dict_type = self.state_dict_type
-        self.ragged_checkpoints.save(checkpoint, filepath, storage_options)  # every rank writes to rank 0's path
+        try:
+            self.ragged_checkpoints.save(checkpoint, filepath, storage_options)  # every rank writes to rank 0's path
+        finally:
+            checkpoint_saved(self.lightning_module._trainer if self.lightning_module is not None else None)
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
         """Validate, load model and optimizer states in place (any saved layout); return the rest for Lightning.
@@ -553,15 +556,15 @@ class RaggedFSDPStrategy(RaggedParallel, ParallelStrategy):
         path = self.broadcast(checkpoint_path)
         trainer = self.lightning_module._trainer
         fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
-        # validate/test/predict(ckpt_path=...) after a fit with weight averaging: the callback still holds its
-        # average and restores it (and the current weights) from the checkpoint, as when fitting
+        # a weight averaging callback holding its average (fitting, or validate/test/predict(ckpt_path=...) after a
+        # fit) restores it and the current weights from the checkpoint
         averaging = trainer is not None and any(getattr(c, "_average_model", None) is not None for c in trainer.callbacks)
         return self.ragged_checkpoints.load(
             self.model,
             self.optimizers,
             path,
             fitting=fitting,
-            with_model_states=fitting or averaging,
+            with_model_states=averaging,
             strict=self.lightning_module.strict_loading,
             weights_only=weights_only,
             before_optimizers=lambda rest: restore_finetuning_groups(trainer, self.lightning_module, rest),

@@ -893,6 +893,10 @@ class Lamb(torch.optim.SGD):
     the module; its body does not matter to the check."""
 
 
+class Muon(torch.optim.SGD):
+    """Another library's Muon (timm's falls back to AdamW on 1-D tensors: 0.066 from one process on shards)."""
+
+
 def check_whole_tensor_optimizers_are_refused() -> dict:
     from functools import partial
 
@@ -901,7 +905,8 @@ def check_whole_tensor_optimizers_are_refused() -> dict:
     model = lr.fully_shard(make_model(), shard_granularity="row")
     messages = {}
     for name, kind in (("LBFGS", torch.optim.LBFGS), ("Adafactor", torch.optim.Adafactor),
-                       ("LoggingLBFGS", LoggingLBFGS), ("SparseAdam", torch.optim.SparseAdam), ("transformers Adafactor", partial(HFAdafactor, relative_step=False)), ("Lamb", Lamb)):
+                       ("LoggingLBFGS", LoggingLBFGS), ("SparseAdam", torch.optim.SparseAdam), ("transformers Adafactor", partial(HFAdafactor, relative_step=False)), ("Lamb", Lamb),
+                       ("Muon", Muon)):
         optimizer = kind(model.parameters(), lr=0.1)
         lm_loss(model, make_batches(1, 4)[0]).backward()
         try:
@@ -933,3 +938,5 @@ def test_torch_optimizers_that_need_whole_tensors_are_refused_on_shards(dist_poo
         assert messages["SparseAdam"].startswith("torch.optim.SparseAdam cannot train") and "dense" in messages["SparseAdam"]
         assert messages["transformers Adafactor"].startswith("transformers.optimization.Adafactor cannot train")
         assert messages["Lamb"].startswith("tests.test_fully_shard.Lamb cannot train") and "trust ratio" in messages["Lamb"]
+        assert messages["Muon"].startswith("tests.test_fully_shard.Muon cannot train") and "lightning_ragged.optim" in \
+            messages["Muon"]

@@ -6,11 +6,13 @@ from DDP after 3 steps, silently). ``Adafactor`` (torch's, transformers', timm's
 second moment by rows and columns and scales by a tensor's RMS: on shards torch's divided by zero on a
 rank's empty part, transformers' trained 2.4e-2 from one process, silently. ``SparseAdam`` needs the
 sparse gradient of an ``Embedding(sparse=True)``, which lands dense in the flat gradient buffer (torch's
-error named no cause). LAMB and LARS scale each
-tensor's update by its norms (a trust ratio), over a shard a different one. A check before optimizer
+error named no cause). LAMB, LARS, NovoGrad, AdamP/SGDP scale or project each tensor's update by its
+norms, over a shard a different one. Other libraries' Muon, Shampoo, SOAP, Kron and timm's
+``AdafactorBigVision`` precondition or orthogonalize matrices (timm's Muon trained 0.066 from one process
+on shards, silently: it falls back to AdamW on 1-D tensors). A check before optimizer
 steps (installed by the first ``fully_shard``, ``optimizer_checks.py``) refuses a step of any of them,
-or of a subclass, holding sharded parameters, naming the fix. (torch's ``Muon`` refuses 1-D shards
-itself, when it is built: use ``lightning_ragged.optim.Muon``.)
+or of a subclass, holding sharded parameters, naming the fix; lightning_ragged's own (``optim``) handle
+shards. (torch's ``Muon`` refuses 1-D shards itself, when it is built: use ``lightning_ragged.optim.Muon``.)
 """
 
 from __future__ import annotations
@@ -30,8 +32,13 @@ _WHY: dict[str, tuple[str, bool]] = {
                   f"a shard is this rank's 1-D part. {_ELEMENTWISE_INSTEAD}", False),
     "SparseAdam": ("needs sparse gradients, and a sharded nn.Embedding(sparse=True)'s gradient lands dense in its "
                    "group's flat gradient buffer (it trains as a dense embedding). Use torch.optim.Adam or AdamW", False),
-    **{name: ("scales each tensor's update by the ratio of its norms (a trust ratio), and a shard is this rank's "
-              f"1-D part. {_ELEMENTWISE_INSTEAD}", False) for name in ("Lamb", "LAMB", "FusedLAMB", "Lars", "LARS")},
+    **{name: ("scales each tensor's update by its norms (a trust ratio, a per-tensor normalization or projection), "
+              f"and a shard is this rank's 1-D part. {_ELEMENTWISE_INSTEAD}", False)
+       for name in ("Lamb", "LAMB", "FusedLAMB", "Lars", "LARS", "NovoGrad", "NvNovoGrad", "AdamP", "SGDP")},
+    **{name: ("preconditions or orthogonalizes each matrix (its rows and columns), and a shard is this rank's 1-D "
+              "part (timm's Muon silently falls back to AdamW on 1-D tensors). Use lightning_ragged.optim's Muon, "
+              "Shampoo or SOAP, which gather what a layout cuts", False)
+       for name in ("Muon", "AdafactorBigVision", "Kron", "Shampoo", "DistributedShampoo", "SOAP")},
 }
 """Optimizer class name (torch's LBFGS and SparseAdam; any library's others; their subclasses) -> (why and what
 instead, refused only when a shard group has several ranks)."""
@@ -63,9 +70,12 @@ def _refuse(optimizer: Optimizer) -> None:
 
 
 def _whole_tensor_base(kind: type) -> Any:
-    """The class in ``kind``'s MRO refused on shards: torch's LBFGS or SparseAdam, anyone's Adafactor, LAMB, LARS."""
+    """The class in ``kind``'s MRO refused on shards (torch's LBFGS or SparseAdam, anyone's Adafactor, LAMB, LARS,
+    Muon, ...); none for lightning_ragged's optimizers and their subclasses, which handle shards."""
+    if any(base.__module__.startswith("lightning_ragged") for base in kind.__mro__):
+        return None
     for base in kind.__mro__:
-        if base.__name__ in _WHY and not base.__module__.startswith("lightning_ragged") and (
+        if base.__name__ in _WHY and (
             base.__name__ not in _TORCH_ONLY or base.__module__.startswith("torch.optim")
         ):
             return base

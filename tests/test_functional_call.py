@@ -63,12 +63,23 @@ def check_functional_call() -> dict:
             results["refused"][name] = None
         except ValueError as error:
             results["refused"][name] = str(error)
+    # a 1-D parameter whole on one rank has its global shape there: values made from the shards pass there and not
+    # elsewhere; every rank refuses (before this agreement, one rank raised and the others waited in a collective)
+    small = lr.fully_shard(nn.Sequential(nn.Linear(5, 2)), shard_granularity="row")
+    try:
+        functional_call(small, {"0.bias": small[0].bias * 0.5}, (torch.randn(3, 5),))
+        results["refused"]["whole on one rank"] = None
+    except ValueError as error:
+        results["refused"]["whole on one rank"] = str(error)
+    results["bias_shapes"] = tuple(small[0].bias.shape)
     return results
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_functional_call_computes_with_the_given_tensors(dist_pool, world_size):
-    for result in dist_pool(world_size).run(check_functional_call):
+    results = dist_pool(world_size).run(check_functional_call)
+    assert (2,) in [result["bias_shapes"] for result in results]  # the case: the bias whole on one rank
+    for result in results:
         for case in ("per-module", "partial"):
             assert result[case]["out"] <= 1e-6 and result[case]["grads"] <= 1e-6, result
             assert result[case]["own_weights_would_give"] > 1e-2, result  # the substitution matters
@@ -76,3 +87,4 @@ def test_functional_call_computes_with_the_given_tensors(dist_pool, world_size):
         shards, parameter = result["refused"]["shards"], result["refused"]["parameter"]
         assert shards and "1-D shards" in shards and "global shape" in shards, shards
         assert parameter and "'blocks.0.up.weight'" in parameter and "nn.Parameter" in parameter, parameter
+        assert "'0.bias'" in result["refused"]["whole on one rank"], result

@@ -20,7 +20,7 @@ from lightning_ragged.engine.dbuffer import DBuffer
 from lightning_ragged.engine.full_writes import keep_full_writes, writes_kept
 from lightning_ragged.engine.shard_cast import drop_at_optimizer_steps
 from lightning_ragged.engine.grouping import needs_params_in_backward
-from lightning_ragged.engine.substituted_params import is_substitute, refuse_substitute
+from lightning_ragged.engine.substituted_params import agreed_refusal, is_substitute, refuse_substitute
 
 
 class ShardGroup:
@@ -250,7 +250,8 @@ class ShardGroup:
         "keep" a caller's full-shape one (between forward and ``functional_call``'s end), also "refuse others"
         (forward), or "overwrite" it.
         """
-        for module, attr, dbuffer, name in self.slots:
+        substituted, refused = False, len(self.slots)
+        for index, (module, attr, dbuffer, name) in enumerate(self.slots):
             if attr not in module._parameters:
                 raise RuntimeError(
                     f"parameter '{_model_name(dbuffer, name)}' ({type(module).__name__}.{attr}) is no longer registered "
@@ -262,12 +263,20 @@ class ShardGroup:
                 )
             current, pointed = module._parameters[attr], self.pointed.get((id(module), attr))
             if substitutes != "overwrite" and pointed is not None and current is not pointed:
-                shape = dbuffer.sharded_params[name].ragged_shard.global_shape
-                if is_substitute(current, shape):
+                substituted = True
+                if is_substitute(current, dbuffer.sharded_params[name].ragged_shard.global_shape):
                     continue
                 if substitutes == "refuse others":
-                    refuse_substitute(current, shape, _model_name(dbuffer, name))
+                    refused = min(refused, index)
+                    continue
             module._parameters[attr] = self.pointed[(id(module), attr)] = pick(dbuffer, name)
+        if substituted and substitutes == "refuse others":  # every rank of the group refuses, or none
+            dbuffer = self.dbuffers[0]
+            refused = agreed_refusal(refused, dbuffer.process_group, dbuffer.sharded.device)
+            if refused < len(self.slots):
+                module, attr, dbuffer, name = self.slots[refused]
+                refuse_substitute(module._parameters[attr], dbuffer.sharded_params[name].ragged_shard.global_shape,
+                                  _model_name(dbuffer, name))
 
     # ------------------------------------------------------------- gradients
     def count_backward_calls(self) -> None:

@@ -15,7 +15,10 @@ assigned after ``fully_shard`` (``module.weight = nn.Parameter(...)``, which the
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
+import torch.distributed as dist
 from torch import nn
 
 
@@ -26,7 +29,8 @@ def is_substitute(current: torch.Tensor, global_shape: torch.Size) -> bool:
 
 def refuse_substitute(current: torch.Tensor, global_shape: torch.Size, name: str) -> None:
     """Raise for a caller's tensor forward cannot compute with, naming the parameter and the fix."""
-    kind = "an nn.Parameter assigned after fully_shard" if isinstance(current, nn.Parameter) else "a tensor"
+    kind = ("an nn.Parameter (assigned after fully_shard, or given to functional_call: give plain tensors there, "
+            "e.g. p.detach().requires_grad_())") if isinstance(current, nn.Parameter) else "a tensor"
     raise ValueError(
         f"parameter {name!r} of a sharded module holds {kind} of shape {tuple(current.shape)} that lightning_ragged "
         f"did not put there (its global shape is {tuple(global_shape)}). torch.func.functional_call / "
@@ -34,3 +38,14 @@ def refuse_substitute(current: torch.Tensor, global_shape: torch.Size, name: str
         "lightning_ragged.full_state_dict(model)); values made from model.parameters() are this rank's 1-D shards, "
         "which the engine cannot gather. To change a module's parameters, replace them before fully_shard"
     )
+
+
+def agreed_refusal(first_refused: int, process_group: Any, device: torch.device) -> int:
+    """The lowest slot index any rank of the shard group refuses (``first_refused``: this rank's, or the number of
+    slots): a 1-D parameter whole on one rank has its global shape there, so values made from the shards pass
+    there and not elsewhere, and a refusal on some ranks only would leave the others waiting in a collective."""
+    if not dist.is_initialized() or dist.get_world_size(process_group) == 1:
+        return first_refused
+    agreed = torch.tensor([first_refused], device=device)
+    dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=process_group)
+    return int(agreed.item())

@@ -122,3 +122,23 @@ def check_forward_hooks_registered_after_sharding(grouping: str) -> float:
 @pytest.mark.parametrize("grouping", ["each-linear", "list"])
 def test_forward_hooks_registered_after_sharding_read_full_weights(dist_pool, world_size, grouping):
     assert max(dist_pool(world_size).run(check_forward_hooks_registered_after_sharding, grouping)) <= 1e-6
+
+
+def check_hook_after_sharding_keeps_the_embedding_freed() -> dict:
+    """The same hook on an embedding's own group (freed after its forward: its backward reads no weight) keeps it
+    freed: the engine's direct-read probe ends its window after the user's hook (the review of the hook order found
+    the group marked read outside its forward and held whole from forward to backward every step)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(40, WIDTH), nn.Linear(WIDTH, 3))
+    lr.fully_shard(model[0])
+    lr.fully_shard(model)
+    model[0].register_forward_hook(_reads_weight)
+    for _ in range(2):
+        model(torch.randint(0, 40, (4, 5))).sum().backward()
+    group = next(g for g in lr.get_state(model).all_groups if not g.is_root)
+    return {"read_outside": group.read_outside_forward, "held": group.held_through_forward}
+
+
+def test_a_hook_after_sharding_does_not_hold_an_embedding(dist_pool):
+    assert dist_pool(2).run(check_hook_after_sharding_keeps_the_embedding_freed) == [
+        {"read_outside": False, "held": False}] * 2

@@ -76,7 +76,7 @@ def install_hooks(state: RaggedFSDPState) -> None:
                 ))
         elif len(group.members) == 1:  # every call of a block gathers it and is done with it
             post = group.module.register_forward_hook(eager(lambda _m, _a, output, g=group: state.post_forward(g, output)))
-            pre = _post_hook_last(post, lambda _m, args, kwargs, g=group: state.pre_forward(g, args, kwargs))
+            pre = _post_hook_last(state, post, lambda _m, args, kwargs, g=group: state.pre_forward(g, args, kwargs))
             handles += [group.module.register_forward_pre_hook(eager(pre), with_kwargs=True, prepend=True), post]
         else:
             _hook_members(state, group)
@@ -106,19 +106,25 @@ def _hook_members(state: RaggedFSDPState, group: ShardGroup) -> None:
 
     for member in group.members:
         post = member.register_forward_hook(eager(post_hook))
-        pre = _post_hook_last(post, pre_hook)
+        pre = _post_hook_last(state, post, pre_hook)
         state.handles += [member.register_forward_pre_hook(eager(pre), with_kwargs=True, prepend=True), post]
 
 
-def _post_hook_last(post: Any, pre_hook: Callable[..., Any]) -> Callable[..., Any]:
-    """``pre_hook``, first moving the group's post-forward hook (its reshard) behind the module's other forward
-    hooks, also those registered after sharding: they read full parameters, as hooks registered before do
-    (before: the 1-D shards, a per-rank result, silently; FSDP2 raises on its DTensors)."""
+def _post_hook_last(state: RaggedFSDPState, post: Any, pre_hook: Callable[..., Any]) -> Callable[..., Any]:
+    """``pre_hook``, first moving the engine's forward hooks on the module (the group's post-forward, its reshard;
+    the direct-read probe's window end after it) behind the module's other forward hooks, also those registered
+    after sharding: they read full parameters, as hooks registered before do (before: the 1-D shards, a per-rank
+    result, silently; FSDP2 raises on its DTensors). A dict move when a hook was added, a lookup otherwise."""
+    engine: set[int] = set()
 
     def hook(module: nn.Module, args: tuple, kwargs: dict) -> Any:
         hooks = module._forward_hooks
-        if post.id in hooks and next(reversed(hooks)) != post.id:  # a dict move, once per hook added
-            hooks.move_to_end(post.id)
+        last = next(reversed(hooks), None)
+        if last is not None and last != post.id and last not in engine:
+            engine.clear()
+            engine.update(handle.id for handle in state.handles)
+            for key in [key for key in hooks if key in engine]:  # in their order: the post-forward first
+                hooks.move_to_end(key)
         return pre_hook(module, args, kwargs)
 
     return hook

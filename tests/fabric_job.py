@@ -129,7 +129,10 @@ def main(out: Path) -> None:
     results["reloaded"], results["reloaded_step"] = lr.full_state_dict(reloaded.module), state["step"]
     results["ema_reloaded"] = average_of(reloaded_ema, reloaded)
     renamed = full.setup_module(make_model(seed=11))
-    results["renamed_remainder"] = full.load(out / "full.ckpt", {"net": renamed}, strict=False)
+    renamed_optimizer = full.setup_optimizers(torch.optim.AdamW(renamed.parameters(), lr=LR))
+    results["renamed_remainder"] = full.load(out / "full.ckpt", {"net": renamed, "optimizer": renamed_optimizer},
+                                             strict=False)
+    results["renamed_optimizer_steps"] = sorted({float(s["step"]) for s in renamed_optimizer.state.values()})
     # fabric.load_raw: a plain state-dict file; a filtered save (only the norms) loaded with strict=False
     if full.global_rank == 0:
         torch.save(results["replica"], out / "raw.pt")

@@ -135,14 +135,16 @@ def load(
         if path.is_file():
             model_state = checkpoint.get("state_dict", checkpoint.get(MODEL_KEY, {}))
             load_full_model_state_dict(module, model_state, strict=strict, source=path)
-            states = checkpoint.get("optimizer_states", [])
-            for index, optimizer in indices.items():
-                load_full_optimizer_state_dict(module, optimizer, states[index])
         else:
             check_model_matches(info, expected_model_shapes(module), strict=strict)
             load_sharded_model_state_dict(module, info, strict=strict)
-            for index, optimizer in indices.items():
-                load_sharded_optimizer_state_dict(module, optimizer, info, f"optimizer_{index}")
+    # an optimizer's state is keyed by parameter names: it loads under its own key whatever the module's is (as
+    # Fabric's DDP loads each key; before, a module renamed with strict=False lost the optimizers silently)
+    for index, optimizer in indices.items():
+        if path.is_file():
+            load_full_optimizer_state_dict(module, optimizer, checkpoint.get("optimizer_states", [])[index])
+        else:
+            load_sharded_optimizer_state_dict(module, optimizer, info, f"optimizer_{index}")
     if path.is_file():
         rest.update(_unrestored(checkpoint, record, module_key, optimizer_keys))
     for key, value in state.items():

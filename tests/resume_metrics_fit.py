@@ -25,6 +25,7 @@ HEALTH_TIMEOUT = 1.0
 VAL_BATCH_S = 0.5  # 3 validation batches: 1.5 s without a training step, more than HEALTH_TIMEOUT
 SAVE_S = 1.5  # a checkpoint save (its dump, on every rank) longer than HEALTH_TIMEOUT
 SAVE_AFTER = 3
+HANG_S = 3.0  # every rank idle after the save: 3x HEALTH_TIMEOUT, so ranks leaving the save apart still read stalled
 
 
 class SlowValidation(LM):
@@ -46,7 +47,7 @@ class ProbeHealth(pl.Callback):
         if self.port is not None and trainer.global_step == SAVE_AFTER and not self.saved:
             self.saved = True
             trainer.save_checkpoint(self.save_to)
-            time.sleep(SAVE_S)  # a hang right after the save (a data loader, a collective) is a stall again
+            time.sleep(HANG_S)  # a hang right after the save (a data loader, a collective) is a stall again
             if trainer.global_rank == 0:
                 self.seen_after_save = self._health()
 

@@ -166,16 +166,10 @@ class RaggedFSDPMetrics(Callback):
             self.monitor.progressed()
 
     def on_save_checkpoint(self, trainer: Any, pl_module: nn.Module, checkpoint: dict[str, Any]) -> None:
-        if self.monitor is not None:  # every rank dumps, then writes: a save longer than health_timeout is no stall
+        if self.monitor is not None:  # every rank dumps, then writes (the strategy's save ends the mark, checkpoint_saved)
             self.monitor.saving_checkpoint(True)
 
-    def on_validation_batch_start(self, trainer: Any, *args: Any, **kwargs: Any) -> None:
-        if self.monitor is not None:
-            self.monitor.saving_checkpoint(False)
-
     def on_train_batch_start(self, trainer: Any, pl_module: nn.Module, batch: Any, batch_idx: int) -> None:
-        if self.monitor is not None:
-            self.monitor.saving_checkpoint(False)
         if self.metrics is None:
             return
         self.metrics.set_step(trainer.global_step)

@@ -2,7 +2,8 @@
 
 from lightning_ragged.layout.errors import DBufferAlignmentError, RaggedShardBoundaryViolation
 from lightning_ragged.engine.api import fully_shard, get_state, no_sync, set_requires_gradient_sync
-from lightning_ragged.engine.state_dict import full_state_dict, load_full_state_dict
+from lightning_ragged.engine.full_loads import load_full_state_dict
+from lightning_ragged.engine.state_dict import full_state_dict
 from lightning_ragged.engine.fsdp_module import FSDPModule, register_fsdp_forward_method
 from lightning_ragged.engine.fp8_gather import Float8AllGather
 from lightning_ragged.engine.full_params import summon_full_params

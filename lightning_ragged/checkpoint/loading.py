@@ -10,7 +10,8 @@ import torch
 from torch import nn
 
 from lightning_ragged.checkpoint.errors import CheckpointMismatchError
-from lightning_ragged.checkpoint.model_state import expected_model_shapes, load_sharded_model_state_dict
+from lightning_ragged.checkpoint.model_state import load_sharded_model_state_dict
+from lightning_ragged.engine.state_dict_checks import expected_model_shapes
 from lightning_ragged.checkpoint.optimizer_state import load_sharded_optimizer_state_dict
 from lightning_ragged.checkpoint.reader import check_model_matches, inspect_checkpoint
 from lightning_ragged.checkpoint.single_file import load_file

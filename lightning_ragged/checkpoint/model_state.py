@@ -18,6 +18,7 @@ from torch import nn
 from lightning_ragged.checkpoint.dcp import shard_as_dtensor
 from lightning_ragged.checkpoint.reader import CheckpointInfo, check_model_matches, check_shapes, inspect_checkpoint
 from lightning_ragged.engine.state_dict import load_full, sharded_params
+from lightning_ragged.engine.state_dict_checks import expected_model_shapes
 from lightning_ragged.engine.state_shard import StateShard
 from lightning_ragged.engine.torch_state_dict import local_part, state_shard
 
@@ -41,18 +42,6 @@ def sharded_model_state_dict(module: nn.Module) -> dict[str, Any]:
         if wrapped is not None:
             result[key] = wrapped
     return result
-
-
-def expected_model_shapes(module: nn.Module) -> dict[str, tuple[int, ...]]:
-    """Global shape of every tensor key the module's state dict holds (what a checkpoint must have)."""
-    sharded = sharded_params(module)
-    shapes = {}
-    for key, value in module.state_dict().items():
-        if key in sharded:
-            shapes[key] = tuple(sharded[key].param.ragged_shard.global_shape)
-        elif isinstance(value, torch.Tensor):
-            shapes[key] = tuple(value.shape)
-    return shapes
 
 
 def load_sharded_model_state_dict(module: nn.Module, info: CheckpointInfo | str | os.PathLike, strict: bool = True) -> None:

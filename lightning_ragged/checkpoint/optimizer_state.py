@@ -21,7 +21,8 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from lightning_ragged.checkpoint.dcp import boxes_as_dtensor, shard_as_dtensor
 from lightning_ragged.checkpoint.errors import CheckpointError, CheckpointMismatchError
-from lightning_ragged.checkpoint.reader import CheckpointInfo, inspect_checkpoint, short_list
+from lightning_ragged.checkpoint.reader import CheckpointInfo, inspect_checkpoint
+from lightning_ragged.engine.state_dict_checks import short_list
 from lightning_ragged.checkpoint.zero_dim import (
     ZERO_DIM_STATES_KEY,
     require_known_zero_dim_layout,

@@ -37,6 +37,7 @@ from lightning_ragged.checkpoint.errors import (
 )
 from lightning_ragged.checkpoint.format import FORMAT_KEY, FORMAT_VERSION, META_FILENAME, MODEL_KEY
 from lightning_ragged.checkpoint.ranks import rank_zero_warn
+from lightning_ragged.engine.state_dict_checks import shape_problems
 
 
 def is_sharded_checkpoint(path: str | os.PathLike) -> bool:
@@ -372,25 +373,6 @@ def check_shapes(
     saved: Mapping[str, Sequence[int]], expected: Mapping[str, Sequence[int]], strict: bool, source: Any
 ) -> None:
     """Raise ``CheckpointMismatchError`` if ``source``'s shapes (``saved``) are not the model's (``expected``)."""
-    missing = sorted(expected.keys() - saved.keys())
-    unexpected = sorted(saved.keys() - expected.keys())
-    shapes = sorted(
-        f"{key}: checkpoint {list(saved[key])} vs model {list(expected[key])}"
-        for key in expected.keys() & saved.keys()
-        if tuple(saved[key]) != tuple(expected[key])
-    )
-    problems = []
-    if missing and strict:
-        problems.append(f"missing keys (in the model, not in the checkpoint): {short_list(missing)}")
-    if unexpected and strict:
-        problems.append(f"unexpected keys (in the checkpoint, not in the model): {short_list(unexpected)}")
-    if shapes:
-        problems.append(f"shape mismatch: {short_list(shapes)}")
+    problems = shape_problems(saved, expected, strict, "the checkpoint")
     if problems:
         raise CheckpointMismatchError(f"{source} holds a different model: " + "; ".join(problems))
-
-
-def short_list(items: Sequence[str], limit: int = 8) -> str:
-    """At most ``limit`` items for a message, and how many more there are."""
-    shown = ", ".join(items[:limit])
-    return shown + (f" ... and {len(items) - limit} more" if len(items) > limit else "")

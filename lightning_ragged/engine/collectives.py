@@ -256,12 +256,20 @@ def run_all_reduce_hook(
     return segment
 
 
+WIRE_DTYPES = frozenset({torch.bool, torch.uint8, torch.int8, torch.int32, torch.int64, torch.float16,
+                         torch.bfloat16, torch.float32, torch.float64})
+"""The types every backend copies as they are (gloo refuses int16, the unsigned types wider than a byte and fp8)."""
+
+
 def wire(tensor: torch.Tensor) -> torch.Tensor:
-    """An fp8 tensor as its bytes, a complex one as its real pairs: for a collective of a backend without those
-    types (gloo's gather and scatter: "Invalid scalar type")."""
+    """For a copying collective (broadcast, gather, scatter, all-gather): a complex tensor as its real pairs, any
+    other type outside ``WIRE_DTYPES`` as its bytes (gloo: "Invalid scalar type" for an int16 buffer, an fp8
+    shard). A view: what the collective writes lands in ``tensor``. Never for a reduction."""
     if tensor.is_complex():
         return torch.view_as_real(tensor)
-    return tensor.view(torch.uint8) if tensor.is_floating_point() and tensor.element_size() == 1 else tensor
+    if tensor.dtype in WIRE_DTYPES:
+        return tensor
+    return (tensor if tensor.dim() else tensor.view(1)).view(torch.uint8)
 
 
 def host_tensor(values: Sequence[float], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -4,7 +4,7 @@
 (the engine's own full state dicts and the checkpoint's sharded ones both read it);
 slicing a full tensor to this rank's range is ``RaggedShard.local_part``. Full state dicts
 move one DBuffer at a time (gathered, copied out, freed), optionally to CPU and to rank 0
-only, and back from rank 0 by a broadcast of one DBuffer's flat buffer at a time.
+only (loading them back: ``full_loads.py``).
 """
 
 from __future__ import annotations
@@ -136,51 +136,3 @@ _GATHER_BACKENDS = ("gloo", "nccl", "mpi", "ucc")
 def _has_gather(group: dist.ProcessGroup | None) -> bool:
     """The group's backend (every backend of "cpu:gloo,cuda:nccl") has ``dist.gather``."""
     return all(part.split(":")[-1] in _GATHER_BACKENDS for part in dist.get_backend(group).split(","))
-
-
-def load_full_state_dict(
-    module: nn.Module, state_dict: dict[str, torch.Tensor], *, broadcast_from_rank0: bool = False
-) -> None:
-    """Copy this rank's pieces of full tensors (keys as in ``full_state_dict`` of the same module) into the shards.
-
-    ``broadcast_from_rank0`` (torch's ``StateDictOptions`` name; collective): only global
-    rank 0's ``state_dict`` is read, the other ranks may pass ``{}``; rank 0 packs one
-    DBuffer's tensors at a time into a flat buffer on the DBuffer's device and broadcasts
-    it, so no rank holds more than one DBuffer's full size beyond rank 0's own dict.
-    """
-    check_flag("broadcast_from_rank0", broadcast_from_rank0)
-    get_state(module)  # a module fully_shard never touched is an error here, as in full_state_dict
-    per_dbuffer: dict[int, tuple[DBuffer, dict[str, str]]] = {}
-    for key, (dbuffer, name) in sharded_params(module).items():
-        per_dbuffer.setdefault(id(dbuffer), (dbuffer, {}))[1][name] = key
-    if not broadcast_from_rank0:
-        for dbuffer, tensor_keys in per_dbuffer.values():
-            load_full(dbuffer, {name: state_dict[key] for name, key in tensor_keys.items()})
-        return
-    _agree_on_missing_keys(state_dict, [key for _, tensor_keys in per_dbuffer.values() for key in tensor_keys.values()])
-    for dbuffer in get_state(module).dbuffers():
-        if id(dbuffer) in per_dbuffer:
-            load_full(dbuffer, _broadcast_flat(dbuffer, state_dict, per_dbuffer[id(dbuffer)][1]))
-
-
-def _broadcast_flat(dbuffer: DBuffer, state_dict: dict[str, torch.Tensor], tensor_keys: dict[str, str]) -> dict[str, torch.Tensor]:
-    """Rank 0's full tensors of one DBuffer, packed at their layout offsets and broadcast: name -> full view."""
-    flat = torch.empty(dbuffer.full_numel, dtype=dbuffer.master_dtype, device=dbuffer.device)
-    views = {}
-    for name, key in tensor_keys.items():
-        views[name] = dbuffer.full_view(flat, name)
-        if dist.get_rank() == 0:
-            views[name].copy_(state_dict[key])
-    dist.broadcast(collectives.wire(flat), src=0)
-    return views
-
-
-def _agree_on_missing_keys(state_dict: dict[str, torch.Tensor], keys: list[str]) -> None:
-    """Rank 0's missing keys, raised on every rank (so none is left waiting in a broadcast)."""
-    missing = [[key for key in keys if key not in state_dict] if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(missing, src=0)
-    if missing[0]:
-        raise KeyError(
-            f"load_full_state_dict(broadcast_from_rank0=True): rank 0's state_dict lacks {missing[0]}; "
-            "pass every key of full_state_dict(module) on rank 0"
-        )

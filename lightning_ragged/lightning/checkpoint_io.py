@@ -14,7 +14,6 @@ from lightning_ragged.checkpoint.atomic_dir import remove_checkpoint
 from lightning_ragged.checkpoint.errors import CheckpointMismatchError
 from lightning_ragged.checkpoint.format import MODEL_KEY, MODEL_STATE_KEYS, MODEL_STATES_KEY
 from lightning_ragged.checkpoint.model_state import (
-    expected_model_shapes,
     load_full_model_state_dict,
     load_model_state_copy,
     load_sharded_model_state_dict,
@@ -29,6 +28,7 @@ from lightning_ragged.checkpoint.ranks import rank_zero_warn
 from lightning_ragged.checkpoint.reader import check_model_matches, inspect_checkpoint
 from lightning_ragged.checkpoint.single_file import read_file, rest_of_file
 from lightning_ragged.checkpoint.writer import CheckpointWriter
+from lightning_ragged.engine.state_dict_checks import expected_model_shapes
 
 
 class LightningCheckpointIO:

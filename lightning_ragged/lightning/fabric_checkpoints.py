@@ -22,7 +22,6 @@ from torch.optim import Optimizer
 
 from lightning_ragged.checkpoint.format import FORMAT_KEY, MODEL_KEY, MODEL_STATES_KEY, USER_KEYS
 from lightning_ragged.checkpoint.model_state import (
-    expected_model_shapes,
     load_full_model_state_dict,
     load_in_place,
     load_sharded_model_state_dict,
@@ -33,6 +32,7 @@ from lightning_ragged.checkpoint.optimizer_state import (
 )
 from lightning_ragged.checkpoint.reader import check_model_matches, inspect_checkpoint
 from lightning_ragged.checkpoint.single_file import read_file, rest_of_file
+from lightning_ragged.engine.state_dict_checks import expected_model_shapes
 from lightning_ragged.lightning.checkpoint_io import LightningCheckpointIO
 from lightning_ragged.lightning.weight_averaging import ShardAveragedModel
 

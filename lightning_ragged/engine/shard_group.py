@@ -158,13 +158,7 @@ class ShardGroup:
                 home = buffer.untyped_storage()._cdata
                 for name, param in params.items():
                     if param.dtype != buffer.dtype or param.untyped_storage()._cdata != home:
-                        raise RuntimeError(
-                            f"parameter '{_model_name(dbuffer, name)}' was moved or cast after fully_shard (it is {param.dtype} on "
-                            f"{param.device}; its DBuffer holds {buffer.dtype} on {buffer.device}): a .to(), "
-                            ".half() or .cuda() of a submodule of a sharded model unlinks its parameters from their "
-                            "DBuffers. Move/cast the model before fully_shard (or pass fully_shard(..., device=...)), "
-                            "and use mp_policy=MixedPrecisionPolicy(param_dtype=...) for a compute dtype"
-                        )
+                        raise RuntimeError(_unlinked_message(_model_name(dbuffer, name), param, buffer))
 
     # ------------------------------------------------------------ parameters
     def unshard(self, async_op: bool = False) -> None:
@@ -326,3 +320,22 @@ class UnshardHandle:
 def _model_name(dbuffer: DBuffer, name: str) -> str:
     """A DBuffer's parameter by its name in the model (a parent call renames the shards of the groups it adopts)."""
     return dbuffer.sharded_params[name].ragged_shard.name
+
+
+def _unlinked_message(name: str, param: nn.Parameter, buffer: torch.Tensor) -> str:
+    """Why a parameter no longer views its DBuffer, and the fix: moved or cast, or its memory replaced."""
+    if (param.dtype, param.device) == (buffer.dtype, buffer.device):
+        return (
+            f"parameter '{name}' holds other memory than its DBuffer's after fully_shard (`param.data = tensor` or "
+            "`param.set_(...)` replaced the shard, which the collectives never see). To write values into a "
+            "sharded parameter copy them in place: `with lightning_ragged.summon_full_params(model): "
+            "param.copy_(tensor)` (whole tensors, written back to the shards), lightning_ragged.load_full_state_dict, "
+            "or assign before fully_shard"
+        )
+    return (
+        f"parameter '{name}' was moved or cast after fully_shard (it is {param.dtype} on "
+        f"{param.device}; its DBuffer holds {buffer.dtype} on {buffer.device}): a .to(), "
+        ".half() or .cuda() of a submodule of a sharded model unlinks its parameters from their "
+        "DBuffers. Move/cast the model before fully_shard (or pass fully_shard(..., device=...)), "
+        "and use mp_policy=MixedPrecisionPolicy(param_dtype=...) for a compute dtype"
+    )

@@ -6,10 +6,16 @@ parameters it reads, so freeing them at the group's post-backward (what reshardi
 the later backward through it reading released storage, a crash (FSDP2's does the same). The runtime is
 told (``graph_built``) before any hook of such a backward works, and keeps the full parameters until a
 backward that builds no graph ends (``runtime.py``, ``ShardGroup.held_by_graph``).
+
+A hook on a tensor reaches the runtime through weak references: the garbage collector cannot break a
+cycle that runs through a tensor's hook (torch 2.13), and the full parameters' hooks held the runtime,
+which holds the DBuffers that hold those parameters: a deleted model, its shards and (under Lightning)
+its Trainer and optimizer state stayed alive, once per model of a sweep.
 """
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -39,3 +45,21 @@ def eager(hook: Any, backward: bool = False, graph_built: Callable[[], None] | N
 def autograd_running() -> bool:
     """True inside a backward pass (the autograd engine is executing a graph task)."""
     return torch._C._current_graph_task_id() != -1
+
+
+def grad_arrived_hook(state: Any, group: Any, dbuffer: Any, name: str) -> Any:
+    """The post-accumulate-grad hook of a full parameter: ``state.grad_arrived(group, dbuffer, name)``, holding
+    the three weakly (nothing once they are gone)."""
+    refs = weakref.ref(state), weakref.ref(group), weakref.ref(dbuffer)
+
+    def arrived(_param: torch.Tensor) -> None:
+        live_state, live_group, live_dbuffer = (ref() for ref in refs)
+        if live_state is not None and live_group is not None and live_dbuffer is not None:
+            live_state.grad_arrived(live_group, live_dbuffer, name)
+
+    def graph_built() -> None:
+        live_state = refs[0]()
+        if live_state is not None:
+            live_state.graph_built()
+
+    return eager(arrived, backward=True, graph_built=graph_built)

@@ -30,7 +30,6 @@ rank runs the same modules (a parameter may be unused on some ranks; a whole gro
 
 from __future__ import annotations
 
-import weakref
 from typing import Any, Iterator
 
 import torch
@@ -41,7 +40,7 @@ from lightning_ragged.engine.collectives import CommStats
 from lightning_ragged.engine.containers import map_tensors, replace_tensors_requiring_grad, tensors_requiring_grad
 from lightning_ragged.engine.dbuffer import DBuffer
 from lightning_ragged.engine.forward_order import ForwardOrder
-from lightning_ragged.engine.hook_modes import autograd_running, eager
+from lightning_ragged.engine.hook_modes import autograd_running, eager, grad_arrived_hook
 from lightning_ragged.engine.post_backward import PostBackward
 from lightning_ragged.engine.reentrant_calls import in_reentrant_checkpoint, in_reentrant_recomputation
 from lightning_ragged.engine.shard_group import ShardGroup, UnshardHandle
@@ -81,13 +80,13 @@ class RaggedFSDPState:
         self.graph_kept, self._building_graph = False, False
         """A backward built a graph through the full parameters (``hook_modes.py``): until one building none ends, the
         groups keep them (``ShardGroup.held_by_graph``) and reduce at each backward's end, every gradient arrived."""
-        self._end_of_backward_hook = eager(self._end_of_backward, backward=True, graph_built=self._graph_built)
+        self._end_of_backward_hook = eager(self._end_of_backward, backward=True, graph_built=self.graph_built)
         first = next(self.dbuffers(), None)
         self.comm_streams: CommStreams = device_streams(first.device if first is not None else None)
         """All-gather and reduce streams of the model's device (``streams.py``)."""
         self.set_comm_streams(self.comm_streams)
         self._pre_backward_hooks = {id(g): eager(lambda _, g=g: self.pre_backward(g), backward=True,
-                                                 graph_built=self._graph_built) for g in groups}
+                                                 graph_built=self.graph_built) for g in groups}
 
     @property
     def groups(self) -> list[ShardGroup]:
@@ -208,8 +207,7 @@ class RaggedFSDPState:
         if id(param) in self._hooked:
             return
         self._hooked.add(id(param))
-        hook = eager(lambda _p: self.grad_arrived(group, dbuffer, name), backward=True, graph_built=self._graph_built)
-        self.handles.append(param.register_post_accumulate_grad_hook(hook))
+        self.handles.append(param.register_post_accumulate_grad_hook(grad_arrived_hook(self, group, dbuffer, name)))
 
     # ---------------------------------------------------------------- forward
     def _mirror_requires_grad(self, group: ShardGroup) -> None:
@@ -268,7 +266,7 @@ class RaggedFSDPState:
             return args, kwargs
         unique = list({id(t): t for t in inputs}.values())  # one view per tensor: MHA's `query is key` still holds
         outputs = dict(zip(map(id, unique), PostBackward.apply(self, group, *unique)))
-        group.backward_nodes.append(weakref.ref(next(iter(outputs.values())).grad_fn))
+        group.track_backward_node(next(iter(outputs.values())).grad_fn)
         return replace_tensors_requiring_grad((args, kwargs), [outputs[id(t)] for t in inputs])
 
     def _track_recomputation(self, group: ShardGroup, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -310,7 +308,8 @@ class RaggedFSDPState:
         return map_tensors(cast, args), map_tensors(cast, kwargs)
 
     # --------------------------------------------------------------- backward
-    def _graph_built(self) -> None:
+    def graph_built(self) -> None:
+        """A backward builds a graph of its own (``create_graph=True``): keep the full parameters it saves."""
         self.graph_kept = self._building_graph = True
         for group in self.all_groups:
             group.held_by_graph = True

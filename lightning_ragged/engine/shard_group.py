@@ -273,6 +273,12 @@ class ShardGroup:
                                   _model_name(dbuffer, name))
 
     # ------------------------------------------------------------- gradients
+    def track_backward_node(self, node: torch.autograd.graph.Node) -> None:
+        """Remember a call's post-backward node (weakly), dropping those of graphs already gone: forwards with
+        grad enabled and no backward (inference without ``no_grad``) would grow the list one entry per call."""
+        self.backward_nodes = [ref for ref in self.backward_nodes if ref() is not None]
+        self.backward_nodes.append(weakref.ref(node))
+
     def count_backward_calls(self) -> None:
         """At the backward's first gradient here: how many of the module's calls this backward runs.
 

@@ -141,6 +141,33 @@ def test_resume_same_world_size_is_bit_identical(dist_pool, tmp_path, optimizer_
         assert all(result.values()), [k for k, same in result.items() if not same]
 
 
+def check_async_saves_leave_no_process_group(root: str) -> dict:
+    """A Trainer's checkpoint plugin per run (a sweep): each builds a gloo group for its async saves, and its
+    teardown destroys it (before: one more group, with its sockets, per Trainer: ~5 file descriptors per run)."""
+    from lightning_ragged.lightning.checkpoint_io import LightningCheckpointIO
+
+    def groups() -> int:
+        return len(dist.distributed_c10d._world.pg_map)
+
+    model = lr.fully_shard(make_model(), shard_granularity="row")
+    before, counts = groups(), []
+    for run in range(3):
+        io = LightningCheckpointIO(async_save=True)
+        io.save({"state_dict": model.state_dict(), "global_step": run}, os.path.join(root, f"run{run}"))
+        counts.append(groups() - before)  # the save's own group, alive while it may be in flight
+        io.teardown()
+    fresh = lr.fully_shard(make_model(seed=3), shard_granularity="row")
+    ck.load(os.path.join(root, "run2"), fresh, [])
+    return {"during": counts, "after": groups() - before,
+            "loaded": max((a - b).abs().max().item() for a, b in zip(lr.full_state_dict(fresh).values(),
+                                                                      lr.full_state_dict(model).values()))}
+
+
+def test_async_saves_leave_no_process_group(dist_pool, tmp_path) -> None:
+    for result in dist_pool(2).run(check_async_saves_leave_no_process_group, str(tmp_path)):
+        assert result == {"during": [1, 1, 1], "after": 0, "loaded": 0.0}, result
+
+
 # ----------------------------------------------------------------------- resharding
 def check_buffers_saved_from_rank_zero(root: str, async_save: bool) -> dict:
     """BatchNorm's running statistics after a step on each rank's own data: the ranks' differ (the broadcast

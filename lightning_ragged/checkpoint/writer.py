@@ -179,6 +179,13 @@ class CheckpointWriter:
         self.wait()
         self.release_staging()
 
+    def release_group(self) -> None:
+        """Destroy the asynchronous saves' process group (no collective; the next async save, which every rank
+        makes, builds another): one gloo group and its sockets per Trainer of a sweep otherwise."""
+        if self._async_group is not None and dist.is_initialized():
+            dist.destroy_process_group(self._async_group)
+        self._async_group = None
+
     def release_staging(self) -> None:
         """Free the CPU staging buffers (no collective; the next async save allocates them again)."""
         for stager in self._stagers.values():

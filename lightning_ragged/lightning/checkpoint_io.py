@@ -192,6 +192,7 @@ class LightningCheckpointIO:
         if pending is not None:
             pending.wait()
         self.writer.release_staging()
+        self.writer.release_group()
 
 
 def _remove(path: str | os.PathLike) -> None:

@@ -494,6 +494,66 @@ def test_output_dtype_casts_module_outputs_as_fsdp2(dist_pool):
             assert max(abs(a - b) for a, b in zip(result["losses"][key], result["losses"]["theirs"])) <= 1e-5, result
 
 
+class _RMSNorm(nn.Module):
+    """transformers' ``LlamaRMSNorm``: normalizes in fp32, returns the input's dtype times the weight."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(width))
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        normed = hidden.float() * torch.rsqrt(hidden.float().pow(2).mean(-1, keepdim=True) + 1e-6)
+        return self.weight * normed.to(hidden.dtype)
+
+
+class _Fp32Residual(nn.Module):
+    """Blocks that keep the residual stream in fp32 (Mamba's ``residual_in_fp32``), then a root norm and head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Linear(8, 16)
+        self.blocks = nn.ModuleList(nn.Linear(16, 16) for _ in range(2))
+        self.norm, self.head = _RMSNorm(16), nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed(x).float()
+        for block in self.blocks:
+            hidden = hidden + block(hidden).float()
+        return self.head(self.norm(hidden).to(self.head.weight.dtype))
+
+
+def check_root_submodules_keep_their_inputs_as_fsdp2() -> dict:
+    """bf16 compute: FSDP2 casts the inputs of the modules ``fully_shard`` was called on only; the root's norm
+    receives the fp32 residual (before: cast to bf16 at every module owning a root parameter, 3.9e-3 off)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    results = {}
+    for key, shard in (("ours", lr.fully_shard), ("theirs", fully_shard)):
+        model, seen, losses = _Fp32Residual(), set(), []
+        model.norm.register_forward_pre_hook(lambda _m, args: seen.add(str(args[0].dtype)))
+        for block in model.blocks:
+            shard(block, mp_policy=policy)
+        shard(model, mp_policy=policy)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(2):
+            x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * step + dist.get_rank()))
+            loss = model(x).float().square().mean()
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.item())
+        results[key] = {"norm_input": seen, "losses": losses}
+    return results
+
+
+def test_root_submodules_keep_their_inputs_as_fsdp2(dist_pool):
+    for result in dist_pool(2).run(check_root_submodules_keep_their_inputs_as_fsdp2):
+        assert result["ours"]["norm_input"] == result["theirs"]["norm_input"] == {"torch.float32"}, result
+        assert result["ours"]["losses"] == result["theirs"]["losses"], result  # the same kernels on the same dtypes
+
+
 @dataclasses.dataclass
 class Hidden:
     """A user's own dataclass between blocks (not registered with torch's pytree), with an ``InitVar``

@@ -66,10 +66,10 @@ def install_hooks(state: RaggedFSDPState) -> None:
     for group in state.all_groups:
         if group.is_root:
             owners = {id(owner): owner for owner, *_ in group.slots if owner is not root}
-            for owner in owners.values():
-                handles.append(owner.register_forward_pre_hook(
-                    eager(lambda _m, args, kwargs, g=group: state.pre_forward(g, args, kwargs)), with_kwargs=True,
-                    prepend=True,
+            for owner in owners.values():  # no cast: FSDP2 casts the inputs of the module it was called on only
+                handles.append(owner.register_forward_pre_hook(  # (a residual kept in fp32 reaches the final norm)
+                    eager(lambda _m, args, kwargs, g=group: state.pre_forward(g, args, kwargs, cast=False)),
+                    with_kwargs=True, prepend=True,
                 ))
                 handles.append(owner.register_forward_hook(
                     eager(lambda _m, _a, output, g=group: state.hook_backward(g, output))

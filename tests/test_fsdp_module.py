@@ -43,6 +43,35 @@ def test_reshard_after_forward_int_keeps_a_part_and_trains_exactly(dist_pool):
     assert max(r["max_diff"] for r in results) <= 1e-5, results[0]
 
 
+def check_reshard_to_smaller_group_after_reinit(init_file: str) -> list[float]:
+    """A notebook's second run: the default group destroyed and initialized again, then the same training. The
+    smaller groups were cached by ranks only: the second run got the destroyed ones ("Group ... is not
+    registered" at its first forward)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    losses = []
+    for session in range(2):
+        if session:
+            dist.destroy_process_group()
+            dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+        model = lr.fully_shard(make_model(), reshard_after_forward=2)
+        loss = lm_loss(model, _local(make_batches(1, BATCH)[0]))
+        loss.backward()
+        losses.append(loss.item())
+    return losses
+
+
+def test_reshard_after_forward_int_after_the_process_group_is_initialized_again(tmp_path):
+    from tests.distributed import DistributedPool
+
+    pool = DistributedPool(4)  # its own: the default group is replaced in it
+    try:
+        for first, second in pool.run(check_reshard_to_smaller_group_after_reinit, str(tmp_path / "init")):
+            assert first == second, (first, second)  # the same model and batch in both runs
+    finally:
+        pool.stop()
+        pool.close()
+
+
 def check_partial_gathers_named() -> dict:
     """Every all-gather a step issues with ``reshard_after_forward=2``, looked up in the flight recorder's names."""
     from lightning_ragged.observability import flight_recorder

@@ -30,14 +30,17 @@ class PartialReshard:
         return full[index * chunk : (index + 1) * chunk].clone()
 
 
-_GROUPS: dict[tuple[tuple[int, ...], int], dist.ProcessGroup] = {}
+_GROUPS: dict[tuple[tuple[int, ...], int, int], tuple[Any, dist.ProcessGroup]] = {}
+"""(ranks, size, id of the default group) -> (that default group, held so its id names no other, the subgroup):
+a re-initialized default group (``destroy_process_group`` then ``init_process_group``, a notebook's second run)
+gets new subgroups, not the destroyed ones ("Group ... is not registered")."""
 
 
 def partial_group(process_group: dist.ProcessGroup | None, size: bool | int | None) -> dist.ProcessGroup | None:
     """For ``reshard_after_forward=size``: this rank's group of ``size`` consecutive shard ranks.
 
     ``new_group`` is collective over the world, so every rank learns every shard group's
-    ranks and creates all the subgroups in the same order (cached per layout).
+    ranks and creates all the subgroups in the same order (cached per layout and default group).
     """
     world = dist.get_world_size(process_group)
     if size is None or isinstance(size, bool) or size in (1, world):
@@ -45,10 +48,11 @@ def partial_group(process_group: dist.ProcessGroup | None, size: bool | int | No
     mine = tuple(dist.get_process_group_ranks(process_group or dist.group.WORLD))
     everyone: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
+    default = dist.distributed_c10d._get_default_group()
     for ranks in sorted(set(everyone)):
         for start in range(0, len(ranks), size):
             chunk = ranks[start : start + size]
-            if (chunk, size) not in _GROUPS:
-                _GROUPS[(chunk, size)] = dist.new_group(list(chunk))
+            if (chunk, size, id(default)) not in _GROUPS:
+                _GROUPS[(chunk, size, id(default))] = (default, dist.new_group(list(chunk)))
     position = mine.index(dist.get_rank())
-    return _GROUPS[(mine[position - position % size : position - position % size + size], size)]
+    return _GROUPS[(mine[position - position % size : position - position % size + size], size, id(default))][1]

@@ -36,7 +36,7 @@ def shape_problems(
     missing = sorted(expected.keys() - given.keys())
     unexpected = sorted(given.keys() - expected.keys())
     shapes = sorted(
-        f"{key}: {given_name} {list(given[key])} vs model {list(expected[key])}"
+        f"{key}: {given_name.removeprefix('the ')} {list(given[key])} vs model {list(expected[key])}"
         for key in expected.keys() & given.keys()
         if tuple(given[key]) != tuple(expected[key])
     )

@@ -44,6 +44,7 @@ from lightning_ragged.checkpoint.model_state import sharded_model_state_dict
 from lightning_ragged.checkpoint.optimizer_state import sharded_optimizer_state_dict
 from lightning_ragged.checkpoint.ranks import barrier, gather_failures, is_rank_zero, rank_zero_value, world_size
 from lightning_ragged.checkpoint.reader import CheckpointInfo
+from lightning_ragged.checkpoint.shard_staging import boxes_apart
 from lightning_ragged.engine.collective_errors import CollectiveTimeoutError
 
 
@@ -215,10 +216,11 @@ class CheckpointWriter:
         stager = self._stagers.get(bool(devices))
         if stager is None:
             stager = self._stagers[bool(devices)] = StateDictStager(pin_memory=bool(devices), share_memory=False)
-        staged = stager.stage(tensors, non_blocking=bool(devices))
+        boxes, rebuild = boxes_apart(tensors)  # not the DTensors: their copies allocate on the device first
+        staged = stager.stage(boxes, non_blocking=bool(devices))
         for device in devices:  # the copies were queued on each device's current stream
             torch.cuda.synchronize(device)
-        return staged
+        return rebuild(staged)
 
     def save(
         self,

@@ -308,6 +308,48 @@ def test_hostile_directory_is_refused_by_every_loader_and_runs_only_when_trusted
 
 
 @pytest.mark.parametrize("kind", list(HOSTILE))
+def test_trust_given_as_a_string_is_refused_not_read_as_true(saved, tmp_path, kind: str) -> None:
+    # Before: trust_checkpoint="no" (or "false") is a non-empty string, read as a flag: the payload ran.
+    path, _ = saved
+    marker = tmp_path / "marker"
+    HOSTILE[kind](path, marker)
+    model, optimizer = _fresh()
+    for attempt in (
+        lambda: ck.load(path, model, [optimizer], trust_checkpoint="no"),
+        lambda: ck.consolidate(path, tmp_path / "out.ckpt", trust_checkpoint="false"),
+        lambda: ck.inspect_checkpoint(path, trust_checkpoint="False"),
+        lambda: LightningCheckpointIO(trust_checkpoint="false"),
+        lambda: ck.load(path, model, [optimizer], weights_only="no"),
+    ):
+        with pytest.raises(TypeError, match=r"(trust_checkpoint|weights_only)='(no|false|False)' must be a bool"):
+            attempt()
+        assert not marker.exists()
+
+
+def test_checkpoint_arguments_are_checked_by_name(saved, tmp_path) -> None:
+    path, state = saved
+    model, optimizer = _fresh()
+    for attempt, message in (
+        (lambda: ck.load(path, model, [optimizer], strict="no"), "strict='no' must be a bool"),
+        (lambda: ck.load(path, model, [optimizer], verify_checksums="no"), "verify_checksums='no' must be a bool"),
+        (lambda: ck.load(path, model, optimizer), r"optimizers=AdamW\(...\) must be a list of optimizers: pass \[optimizer\]"),
+        (lambda: ck.save(tmp_path / "other", model, optimizer), "must be a list of optimizers"),
+        (lambda: ck.save(tmp_path / "other", model, full="no"), "full='no' must be a bool"),
+    ):
+        with pytest.raises(TypeError, match=message):
+            attempt()
+    # consolidating into the checkpoint itself would replace its own files (meta.pt: the checkpoint was lost)
+    for inside in (path / "meta.pt", path):
+        with pytest.raises(ValueError, match="inside the checkpoint it consolidates"):
+            ck.consolidate(path, inside)
+    with pytest.raises(ValueError, match="batch_bytes=0 must be a positive int"):
+        ck.consolidate(path, tmp_path / "out.ckpt", batch_bytes=0)
+    ck.load(path, model, [optimizer])  # untouched by all of the above
+    assert _identical(_state(model, optimizer), state)
+    assert not (tmp_path / "other").exists()
+
+
+@pytest.mark.parametrize("kind", list(HOSTILE))
 def test_consolidate_cli_refuses_hostile_pickles_with_and_without_weights_only(saved, tmp_path, capsys, kind: str) -> None:
     path, _ = saved
     marker = tmp_path / "marker"

@@ -62,6 +62,11 @@ def consolidate(
         checkpoint_dir, weights_only=weights_only, trust_checkpoint=trust_checkpoint, verify_checksums=verify_checksums
     )
     output = Path(output_file)
+    if output.resolve() == info.path.resolve() or info.path.resolve() in output.resolve().parents:
+        raise ValueError(f"output_file={str(output_file)!r} is inside the checkpoint it consolidates ({info.path}): "
+                         "writing it there would replace the checkpoint's own files; choose a path outside it")
+    if isinstance(batch_bytes, bool) or not isinstance(batch_bytes, int) or batch_bytes <= 0:
+        raise ValueError(f"batch_bytes={batch_bytes!r} must be a positive int (bytes per read; default {BATCH_BYTES})")
     part = output.with_name(f".{output.name}.partial")
     part.unlink(missing_ok=True)  # an earlier run's leftover; a link is removed, never written through
     write_full_checkpoint(info, part, batch_bytes=batch_bytes)

@@ -6,6 +6,7 @@ import os
 from typing import Any
 
 from lightning_ragged.checkpoint import safe_unpickle
+from lightning_ragged.engine.checks import check_flag
 
 
 class CheckpointError(RuntimeError):
@@ -50,7 +51,11 @@ TRUST_HINT = (
 
 
 def is_trusted(trust_checkpoint: bool, weights_only: bool | None) -> bool:
-    """Full unpickling only on request: ``trust_checkpoint=True`` or an explicit ``weights_only=False``."""
+    """Full unpickling only on request: ``trust_checkpoint=True`` or an explicit ``weights_only=False`` (bools
+    only: ``trust_checkpoint="no"`` is a non-empty string, and read as a flag it would run the file's code)."""
+    check_flag("trust_checkpoint", trust_checkpoint)
+    if weights_only is not None:
+        check_flag("weights_only", weights_only)
     if trust_checkpoint and weights_only:
         raise ValueError("trust_checkpoint=True contradicts weights_only=True; pass one of them")
     return bool(trust_checkpoint) or weights_only is False

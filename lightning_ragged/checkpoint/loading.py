@@ -11,10 +11,11 @@ from torch import nn
 
 from lightning_ragged.checkpoint.errors import CheckpointMismatchError
 from lightning_ragged.checkpoint.model_state import load_sharded_model_state_dict
-from lightning_ragged.engine.state_dict_checks import expected_model_shapes
 from lightning_ragged.checkpoint.optimizer_state import load_sharded_optimizer_state_dict
 from lightning_ragged.checkpoint.reader import check_model_matches, inspect_checkpoint
 from lightning_ragged.checkpoint.single_file import load_file
+from lightning_ragged.engine.checks import check_flag, check_optimizer_list
+from lightning_ragged.engine.state_dict_checks import expected_model_shapes
 
 def load(
     path: str | os.PathLike,
@@ -35,6 +36,9 @@ def load(
     otherwise. Recorded checksums are verified (``ChecksumMismatchError`` naming the file and
     tensor) unless ``verify_checksums=False``.
     """
+    check_flag("strict", strict)
+    check_flag("verify_checksums", verify_checksums)
+    check_optimizer_list(optimizers)
     if Path(path).is_file():
         return load_file(
             Path(path), module, list(optimizers), strict=strict, weights_only=weights_only,

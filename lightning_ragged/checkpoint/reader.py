@@ -37,6 +37,7 @@ from lightning_ragged.checkpoint.errors import (
 )
 from lightning_ragged.checkpoint.format import FORMAT_KEY, FORMAT_VERSION, META_FILENAME, MODEL_KEY
 from lightning_ragged.checkpoint.ranks import rank_zero_warn
+from lightning_ragged.engine.checks import check_flag
 from lightning_ragged.engine.state_dict_checks import shape_problems
 
 
@@ -249,6 +250,7 @@ def inspect_checkpoint(
     (``checksums.json``, written at save): ``.metadata`` and ``meta.pt`` are verified here, the
     shards as they are read; ``verify_checksums=False`` skips all of it.
     """
+    check_flag("verify_checksums", verify_checksums)
     path = Path(path)
     if not path.exists():  # an interrupted save or removal: the newest complete hidden copy, if any
         path = _newest_complete_copy(

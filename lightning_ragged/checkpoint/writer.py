@@ -45,6 +45,7 @@ from lightning_ragged.checkpoint.optimizer_state import sharded_optimizer_state_
 from lightning_ragged.checkpoint.ranks import barrier, gather_failures, is_rank_zero, rank_zero_value, world_size
 from lightning_ragged.checkpoint.reader import CheckpointInfo
 from lightning_ragged.checkpoint.shard_staging import boxes_apart
+from lightning_ragged.engine.checks import check_flag, check_optimizer_list
 from lightning_ragged.engine.collective_errors import CollectiveTimeoutError
 
 
@@ -397,6 +398,9 @@ def save(
 
     ``full=True`` writes one ordinary single-file checkpoint instead (see ``CheckpointWriter.save``).
     """
+    for name, flag in (("compress", compress), ("async_save", async_save), ("full", full)):
+        check_flag(name, flag)
+    check_optimizer_list(optimizers)
     checkpoint: dict[str, Any] = dict(extra or {})
     if module is not None:
         checkpoint[MODEL_KEY] = sharded_model_state_dict(module)

@@ -28,6 +28,7 @@ from lightning_ragged.checkpoint.ranks import rank_zero_warn
 from lightning_ragged.checkpoint.reader import check_model_matches, inspect_checkpoint
 from lightning_ragged.checkpoint.single_file import read_file, rest_of_file
 from lightning_ragged.checkpoint.writer import CheckpointWriter
+from lightning_ragged.engine.checks import check_flag
 from lightning_ragged.engine.state_dict_checks import expected_model_shapes
 
 
@@ -53,6 +54,9 @@ class LightningCheckpointIO:
         trust_checkpoint: bool = False,
         verify_checksums: bool = True,
     ) -> None:
+        for name, flag in (("compress", compress), ("async_save", async_save), ("trust_checkpoint", trust_checkpoint),
+                           ("verify_checksums", verify_checksums)):
+            check_flag(name, flag)
         self.state_dict_type = state_dict_type
         self.compress = compress
         self.async_save = async_save

@@ -43,6 +43,7 @@ from lightning_ragged.engine.partial_reshard import partial_group as partial_gro
 from lightning_ragged.layout.auto import AutoPlan
 from lightning_ragged.layout.granularity import GranularityPolicy, check_block_rows, resolve_granularity
 from lightning_ragged.engine.ownership import claim, refuse_sharded_twice
+from lightning_ragged.engine.rank_agreement import require_same_model
 from lightning_ragged.engine.grouping import (
     GroupSpec, ParamGroupPlan, group_name, parameter_slots, plan_groups, split_into_dbuffers, warn_split_blocks,
 )
@@ -182,6 +183,11 @@ def fully_shard(
             f"max_inflight_all_gathers={max_inflight_all_gathers!r} must be an int >= 0 (0: no prefetch, "
             "1: one group ahead as FSDP2, more: more overlap for one more full buffer each)"
         )
+    require_same_model(target, label, [process_group] + ([replicate_group] if replicate_group is not None else []), dict(
+        shard_granularity=shard_granularity, block_rows=block_rows, dbuffer_size=dbuffer_size, alignment=alignment,
+        planning_algorithm=planning_algorithm, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy,
+        group_modules=group_modules, blocks_per_group=blocks_per_group, planning=planning,
+        memory_budget_bytes=memory_budget_bytes, reduce_mode=reduce_mode, gather_mode=gather_mode, flags=flags))
     fp8_ids = fp8_param_ids(target, fp8_all_gather)
     children = _child_states(target)
     if children and (group_modules is not None or blocks_per_group != 1 or planning is not None):

@@ -261,3 +261,69 @@ def test_size_groups_skip_containers_without_a_forward(dist_pool, world_size):
     result = dist_pool(world_size).run(check_size_groups_skip_forwardless_containers)[0]
     assert not any(name.startswith("scales") for name in result["groups"]), result["groups"]
     assert result["diff"] <= 1e-5, result
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.b(torch.tanh(self.a(x)))
+
+
+class _Containers(nn.Module):
+    """Modules with no forward of their own holding what forward calls: two sibling lists of layers (a GNN's
+    ``convs`` and ``norms``), a list of stages of blocks, a block holding two dicts of heads."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.convs = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
+        self.norms = nn.ModuleList(nn.LayerNorm(8) for _ in range(2))
+        self.stages = nn.ModuleList([nn.ModuleList([_Block(), _Block()]), nn.ModuleList([_Block()])])
+        self.heads = nn.ModuleDict({"x": nn.Linear(8, 4)})
+        self.more = nn.ModuleDict({"y": nn.Linear(8, 4)})
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for conv, norm in zip(self.convs, self.norms):
+            x = norm(torch.relu(conv(x)))
+        for stage in self.stages:
+            for block in stage:
+                x = block(x)
+        return self.heads["x"](x) + self.more["y"](x)
+
+
+def check_default_groups_skip_containers() -> dict:
+    """Before: the default grouping made ``convs``, ``norms``, ``stages.0``... groups of their own, which nothing
+    calls: "module 'convs.0' was called while its FSDP group 'convs' is sharded" at the first forward."""
+    torch.manual_seed(1)
+    data = torch.randn(2, BATCH, 8)
+    results = {}
+    for pattern in ("one call", "FSDP2's calls"):
+        reference, model = _Containers(), _Containers()
+        if pattern == "FSDP2's calls":
+            for stage in model.stages:
+                for block in stage:
+                    lr.fully_shard(block)
+        lr.fully_shard(model)
+        for net, batches in ((model, [_local(batch) for batch in data]), (reference, list(data))):
+            opt = torch.optim.SGD(net.parameters(), lr=0.1)
+            for batch in batches:
+                net(batch).square().mean().backward()
+                opt.step()
+                opt.zero_grad()
+        full = lr.full_state_dict(model)
+        results[pattern] = {
+            "groups": [group.name for group in lr.get_state(model).all_groups],
+            "diff": max((full[name] - value).abs().max().item() for name, value in reference.state_dict().items()),
+        }
+    return results
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_default_groups_skip_containers_without_a_forward(dist_pool, world_size):
+    for pattern, result in dist_pool(world_size).run(check_default_groups_skip_containers)[0].items():
+        assert not {"convs", "norms", "stages.0", "stages.1", "heads", "more"} & set(result["groups"]), result
+        assert "stages.0.0" in result["groups"], (pattern, result)  # the blocks inside the stages are groups
+        assert result["diff"] <= 1e-6, (pattern, result)

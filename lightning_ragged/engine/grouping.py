@@ -205,7 +205,9 @@ def stack_blocks(root: nn.Module) -> list[tuple[str, nn.Module]]:
     ``nn.ModuleList``/``nn.Sequential``, or whose class repeats among its siblings while
     holding no such container (T5's encoder and decoder are two ``T5Stack``s: their
     layers are the blocks, not the stacks). Blocks are not searched further (a MoE
-    block's experts stay in the block).
+    block's experts stay in the block). A module with no forward of its own (``nn.ModuleList``/``ModuleDict``:
+    nothing calls it, its children are called) is never a block, but searched: a group of it would never be
+    gathered (two sibling lists of layers, a list of stages, two dicts of heads crashed at the first forward).
     """
     chosen: list[tuple[str, nn.Module]] = []
 
@@ -220,13 +222,17 @@ def stack_blocks(root: nn.Module) -> list[tuple[str, nn.Module]]:
         for name, child in children:
             full = f"{prefix}{name}"
             repeated = repeats[type(child)] > 1 and not _holds_stack(child)
-            if _is_composite(child) and (container or repeated):
+            if _is_composite(child) and _has_forward(child) and (container or repeated):
                 chosen.append((full, child))
             else:
                 visit(f"{full}.", child)
 
     visit("", root)
     return chosen
+
+
+def _has_forward(module: nn.Module) -> bool:
+    return type(module).forward is not nn.Module.forward
 
 
 def _is_composite(module: nn.Module) -> bool:
@@ -256,7 +262,7 @@ def _size_groups(root: nn.Module, dbuffer_size: int) -> list[tuple[str, nn.Modul
             size = _param_bytes(child.parameters())
             if size == 0:
                 continue
-            if size <= dbuffer_size and type(child).forward is not nn.Module.forward:
+            if size <= dbuffer_size and _has_forward(child):
                 chosen.append((name, child))
             else:
                 visit(f"{name}.", child)

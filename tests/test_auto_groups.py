@@ -198,12 +198,17 @@ def check_bad_inputs() -> list[str]:
         dict(memory_budget_bytes=BUDGET),
         dict(planning="auto"),
         dict(planning="auto", memory_budget_bytes=BUDGET, blocks_per_group=2),
+        # before: dropped, the whole model in the root's group without a word
+        dict(group_modules=["Block"]),
+        dict(group_modules="Block"),
+        dict(group_modules=[3]),
+        dict(group_modules=[nn.Conv2d]),
     ]
     messages = []
     for kwargs in cases:
         try:
             lr.fully_shard(_model() if "group_modules" not in kwargs else model, **kwargs)
-        except ValueError as error:
+        except (ValueError, TypeError) as error:
             messages.append(str(error))
         else:
             messages.append("accepted")
@@ -216,7 +221,11 @@ def test_bad_inputs_get_named_errors(dist_pool):
     expected = ["not consecutive", "not siblings", "must be a submodule", "not consecutive", "blocks_per_group=2",
                 "in several groups",
                 "blocks_per_group=0", "blocks_per_group=True", "planning='bogus'", "planning=None",
-                "memory_budget_bytes=None", "blocks_per_group=2"]
+                "memory_budget_bytes=None", "blocks_per_group=2",
+                "entry 'Block' is not a module class, a module or a list of modules (class names are resolved",
+                "group_modules='Block' must be a list", "entry 3 is not a module class",
+                "group_modules=['Conv2d'] matches no module of GPT"]
+    assert len(messages) == len(expected), messages
     for message, words in zip(messages, expected):
         assert words in message, (words, message)
 

@@ -391,3 +391,7 @@ def test_metrics_callback_arguments_are_checked_in_its_constructor() -> None:
         with pytest.raises(error, match=rf"RaggedFSDPMetrics\({name}=.*pass"):
             RaggedFSDPMetrics(**{name: value})
     RaggedFSDPMetrics(log_every_n_steps=None, monitor_port=0, collective_timeout=None, memory_budget_bytes=2**30)
+    # a healthy rank's last report can be one heartbeat old: before, /health answered 503 "stalled" every few steps
+    with pytest.raises(ValueError, match=r"health_timeout=1\) must be at least twice heartbeat_interval=10"):
+        RaggedFSDPMetrics(health_timeout=1, heartbeat_interval=10)
+    RaggedFSDPMetrics(health_timeout=1.0, heartbeat_interval=0.1)

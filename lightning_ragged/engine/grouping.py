@@ -95,7 +95,7 @@ def choose_group_modules(
             chosen = sorted(chosen + [[entry] for entry in _large_embeddings(root, blocks)],
                             key=lambda members: position[id(members[0][1])])
     else:
-        specs = list(group_modules)
+        specs = _checked_specs(group_modules)
         lists = [spec for spec in specs if isinstance(spec, (list, tuple))]
         if lists and blocks_per_group != 1:
             raise ValueError(
@@ -105,6 +105,13 @@ def choose_group_modules(
         classes = tuple(spec for spec in specs if isinstance(spec, type))
         instances = {id(spec) for spec in specs if isinstance(spec, nn.Module)}
         chosen = [[(n, m)] for n, m in named if isinstance(m, classes) or id(m) in instances]
+        if classes and not any(isinstance(m, classes) for _, m in named):
+            found = sorted({type(m).__name__ for _, m in named if _has_params(m) and _is_composite(m)})
+            raise ValueError(
+                f"group_modules={[c.__name__ for c in classes]} matches no module of {type(root).__name__} "
+                f"(modules with parameters and children: {found[:12]}): every parameter would stay in the root's "
+                "group. Name the class of the model's blocks"
+            )
         names = {id(m): n for n, m in named}
         chosen += [_consecutive_siblings(root, names, list(spec)) for spec in lists]
         seen = Counter(id(m) for members in chosen for _, m in members)
@@ -196,6 +203,25 @@ def group_name(members: Members) -> str:
             [int(i) for i in indices] == list(range(int(indices[0]), int(indices[0]) + len(names))):
         return f"{names[0]}-{indices[-1]}"
     return "+".join(names)
+
+
+def _checked_specs(group_modules: object) -> list[GroupSpec]:
+    """``group_modules`` as a list, each entry a module class, a module, or a list of modules (else a TypeError
+    naming it: a name like ``"Block"`` or a number used to be dropped, leaving one group for the whole model)."""
+    if isinstance(group_modules, (str, bytes, nn.Module)) or not isinstance(group_modules, Iterable):
+        raise TypeError(f"group_modules={group_modules!r} must be a list (of module classes, modules, or lists of "
+                        "modules), e.g. group_modules=[Block]")
+    specs = list(group_modules)
+    for spec in specs:
+        members = spec if isinstance(spec, (list, tuple)) else [spec]
+        if isinstance(spec, type) and issubclass(spec, nn.Module):
+            continue
+        if not all(isinstance(member, nn.Module) for member in members):
+            hint = " (class names are resolved by the Lightning strategy; here pass the class itself)" \
+                if isinstance(spec, str) else ""
+            raise TypeError(f"group_modules entry {spec!r} is not a module class, a module or a list of modules"
+                            f"{hint}, e.g. group_modules=[Block]")
+    return specs
 
 
 def stack_blocks(root: nn.Module) -> list[tuple[str, nn.Module]]:

@@ -64,3 +64,10 @@ def check_metrics_knobs(knobs: Mapping[str, Any]) -> None:
             METRICS_CHECKS[name](value)
         except _Refused as refused:
             raise refused.error(_message("RaggedFSDPMetrics", name, value, refused)) from None
+    timeout, interval = knobs.get("health_timeout"), knobs.get("heartbeat_interval")
+    if timeout is not None and interval is not None and timeout < 2 * interval:
+        raise ValueError(  # a healthy rank's last report can be one interval old: /health answered 503 "stalled"
+            f"RaggedFSDPMetrics(health_timeout={timeout!r}) must be at least twice heartbeat_interval={interval!r}: "
+            f"ranks report every {interval} s, so /health would call healthy ranks stalled; pass e.g. "
+            f"health_timeout={2 * interval!r} or a shorter heartbeat_interval"
+        )

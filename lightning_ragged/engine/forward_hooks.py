@@ -66,9 +66,13 @@ def install_hooks(state: RaggedFSDPState) -> None:
     for group in state.all_groups:
         if group.is_root:
             owners = {id(owner): owner for owner, *_ in group.slots if owner is not root}
-            for owner in owners.values():  # no cast: FSDP2 casts the inputs of the module it was called on only
-                handles.append(owner.register_forward_pre_hook(  # (a residual kept in fp32 reaches the final norm)
-                    eager(lambda _m, args, kwargs, g=group: state.pre_forward(g, args, kwargs, cast=False)),
+            # FSDP2 casts the inputs of the module it was called on only (a residual kept in fp32 reaches the final
+            # norm); where that module casts nothing (the strategy's: the batch stays as autocast leaves it), the
+            # modules owning its parameters cast theirs, so a forward outside autocast still runs
+            for owner in owners.values():
+                handles.append(owner.register_forward_pre_hook(
+                    eager(lambda _m, args, kwargs, g=group: state.pre_forward(g, args, kwargs,
+                                                                              cast=not state.cast_root_inputs)),
                     with_kwargs=True, prepend=True,
                 ))
                 handles.append(owner.register_forward_hook(

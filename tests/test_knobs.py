@@ -141,6 +141,19 @@ def test_auto_replicate_degree_needs_the_auto_planner() -> None:
         _strategy(replicate_degree="auto")
 
 
+def test_auto_planning_conflicts_are_refused_in_the_constructor() -> None:
+    # before: accepted here, then every rank failed in setup, ~10 s into fit
+    for kwargs, words in (
+        (dict(memory_budget_bytes=10**9), r"memory_budget_bytes=1000000000\) only applies to planning='auto'"),
+        (dict(planning="auto"), r"planning='auto'\).*pass memory_budget_bytes"),
+        (dict(planning="auto", memory_budget_bytes=10**9, blocks_per_group=2), r"drop blocks_per_group"),
+        (dict(process_group_backend="gloo "), r"process_group_backend='gloo '.*holds spaces"),
+    ):
+        with pytest.raises(ValueError, match=words):
+            _strategy(**kwargs)
+    _strategy(planning="auto", memory_budget_bytes=10**9)
+
+
 def test_every_knob_has_a_check_and_kwargs_are_fully_shards() -> None:
     from lightning_ragged import RaggedFSDPStrategy, fully_shard
     from lightning_ragged.lightning.knobs import KNOB_CHECKS, SET_BY_STRATEGY, engine_kwarg_names

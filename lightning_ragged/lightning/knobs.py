@@ -264,6 +264,8 @@ def _process_group_backend(value: Any) -> None:
     if not isinstance(value, str):
         _refuse(f"a backend name must be a str, got {_type_name(value)}", fix, TypeError)
     for part in value.split(","):
+        if part != "".join(part.split()):  # torch refuses it after spawning: "Unknown backend type gloo "
+            _refuse("holds spaces", fix)
         backend = part.rpartition(":")[2].strip().lower()
         if backend not in known:
             _refuse(f"{backend!r} is not a torch.distributed backend{_closest(backend, known)}", fix)
@@ -422,6 +424,15 @@ def check_strategy_knobs(
                 check(value)
             except _Refused as refused:
                 raise refused.error(_message(owner, name, value, refused)) from None
+    planning, budget = engine_kwargs.get("planning"), engine_kwargs.get("memory_budget_bytes")
+    if planning == "auto" and (budget is None or engine_kwargs.get("blocks_per_group", 1) != 1):
+        raise ValueError(  # the engine's refusals, here before any process starts (they came ~10 s into fit)
+            f"{owner}(planning='auto'): the auto-planner chooses the blocks per group for a per-device budget: "
+            "pass memory_budget_bytes=... and drop blocks_per_group"
+        )
+    if budget is not None and planning != "auto":
+        raise ValueError(f"{owner}(memory_budget_bytes={budget!r}) only applies to planning='auto': pass "
+                         "planning='auto' too, or drop memory_budget_bytes")
     if knobs.get("replicate_degree") == "auto" and engine_kwargs.get("planning") != "auto":
         raise ValueError(
             f"{owner}(replicate_degree='auto'): the auto-planner chooses the HSDP degree; pass it "

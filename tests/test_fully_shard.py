@@ -906,11 +906,12 @@ def check_bad_arguments() -> list[str]:
         dict(reduce_mode="broadcast"),
         dict(shard_granularity="row", block_rows=0),  # both were accepted: block_rows unused, alignment=0 as None
         dict(alignment=0),
+        dict(mp_policy=torch.bfloat16),  # before: "'torch.dtype' object has no attribute 'param_dtype'"
     ]
     for kwargs in cases:
         try:
             lr.fully_shard(make_model(), **kwargs)
-        except (ValueError, RuntimeError) as error:
+        except (ValueError, RuntimeError, TypeError) as error:
             messages.append(f"{type(error).__name__}: {error}")
         else:
             messages.append(f"no error for {kwargs}")
@@ -924,7 +925,7 @@ def check_bad_arguments() -> list[str]:
 
 def test_bad_arguments_get_clear_errors(dist_pool):
     messages = dist_pool(2).run(check_bad_arguments)[0]
-    unknown, zero, algorithm, block_rows, mode, unused_block_rows, alignment, twice = messages
+    unknown, zero, algorithm, block_rows, mode, unused_block_rows, alignment, policy, twice = messages
     assert "shard_granularity='diagonal'" in unknown and "'row'" in unknown
     assert zero.startswith("DBufferAlignmentError: DBuffer alignment error:") and "dbuffer_size=0" in zero
     assert "planning_algorithm='fastest' is unknown" in algorithm and "optimal" in algorithm  # it said algorithm=
@@ -932,6 +933,7 @@ def test_bad_arguments_get_clear_errors(dist_pool):
     assert "reduce_mode='broadcast'" in mode
     assert "block_rows=0" in unused_block_rows
     assert "DBuffer alignment error: alignment=0" in alignment
+    assert policy.startswith("TypeError: mp_policy=torch.bfloat16 must be a torch.distributed.fsdp.MixedPrecisionPolicy")
     assert "already sharded" in twice
 
 

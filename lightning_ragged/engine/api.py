@@ -29,7 +29,7 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from lightning_ragged.engine.auto_grouping import auto_groups
-from lightning_ragged.engine.checks import check_flag
+from lightning_ragged.engine.checks import check_flag, check_mp_policy
 from lightning_ragged.engine.collectives import CommStats
 from lightning_ragged.engine.dbuffer import DBuffer
 from lightning_ragged.engine.fp8_gather import Float8AllGather, Fp8Gather, fp8_param_ids, tile_granularity
@@ -172,6 +172,7 @@ def fully_shard(
              ("keep_last_unsharded", keep_last_unsharded), ("keep_cast_shard", keep_cast_shard))
     for knob, flag in flags:
         check_flag(knob, flag)
+    check_mp_policy(mp_policy)
     check_block_rows(block_rows)  # also where the policy does not use it, as the README promises
     if planning_algorithm not in ALGORITHMS:
         raise ValueError(f"planning_algorithm={planning_algorithm!r} is unknown; use one of {ALGORITHMS}")

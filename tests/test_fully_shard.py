@@ -554,6 +554,59 @@ def test_root_submodules_keep_their_inputs_as_fsdp2(dist_pool):
         assert result["ours"]["losses"] == result["theirs"]["losses"], result  # the same kernels on the same dtypes
 
 
+class _LearnedVarianceLoss(nn.Module):
+    """A loss with a parameter of its own (a Gaussian NLL's learned log-variance): called with float targets."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.log_var = nn.Parameter(torch.zeros(()))
+        self.seen: set[str] = set()
+
+    def forward(self, prediction: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        self.seen.add(str(target.dtype))
+        return (0.5 * ((prediction.float() - target) ** 2 * torch.exp(-self.log_var) + self.log_var)).mean()
+
+
+class _Regression(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net, self.loss = nn.Linear(4, 1), _LearnedVarianceLoss()
+
+    def forward(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return self.loss(self.net(x), target)
+
+
+def check_root_owners_cast_only_outside_autocast() -> dict:
+    """The strategy's root casts nothing (``cast_root_inputs=False``: the batch stays as autocast leaves it). Under
+    autocast the modules holding root parameters keep their inputs, as DDP's (a loss module's float targets
+    stay fp32: cast to bf16, the first loss was 2.0 against DDP's 0.777); outside it they cast, so a forward
+    with fp32 inputs and bf16 weights runs."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    x = torch.randn(4, 4, generator=torch.Generator().manual_seed(dist.get_rank()))
+    target = torch.full((4, 1), 1.001)  # not a bf16 number: a cast would change it
+    reference, model = _Regression(), _Regression()
+    lr.fully_shard(model, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+    lr.get_state(model).cast_root_inputs = False  # what the strategy sets
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ours, theirs = model(x, target).item(), reference(x, target).item()
+    under_autocast = set(model.loss.seen)
+    model.loss.seen.clear()
+    with torch.no_grad():
+        model(x, target)  # outside autocast: fp32 inputs, bf16 weights
+    return {"autocast": under_autocast, "reference": reference.loss.seen, "outside": model.loss.seen,
+            "losses": (ours, theirs)}
+
+
+def test_root_owners_cast_only_outside_autocast(dist_pool):
+    for result in dist_pool(2).run(check_root_owners_cast_only_outside_autocast):
+        assert result["autocast"] == result["reference"] == {"torch.float32"}, result
+        assert result["outside"] == {"torch.bfloat16"}, result
+        ours, theirs = result["losses"]
+        assert abs(ours - theirs) <= 1e-2 * abs(theirs), result  # bf16 weights vs autocast's casts: same scale
+
+
 @dataclasses.dataclass
 class Hidden:
     """A user's own dataclass between blocks (not registered with torch's pytree), with an ``InitVar``

@@ -66,13 +66,9 @@ def install_hooks(state: RaggedFSDPState) -> None:
     for group in state.all_groups:
         if group.is_root:
             owners = {id(owner): owner for owner, *_ in group.slots if owner is not root}
-            # FSDP2 casts the inputs of the module it was called on only (a residual kept in fp32 reaches the final
-            # norm); where that module casts nothing (the strategy's: the batch stays as autocast leaves it), the
-            # modules owning its parameters cast theirs, so a forward outside autocast still runs
             for owner in owners.values():
                 handles.append(owner.register_forward_pre_hook(
-                    eager(lambda _m, args, kwargs, g=group: state.pre_forward(g, args, kwargs,
-                                                                              cast=not state.cast_root_inputs)),
+                    eager(lambda _m, args, kwargs, g=group: state.pre_forward(g, args, kwargs, cast=_owner_casts(state, g))),
                     with_kwargs=True, prepend=True,
                 ))
                 handles.append(owner.register_forward_hook(
@@ -91,6 +87,15 @@ def install_hooks(state: RaggedFSDPState) -> None:
     if unprobed:
         probe = DirectReadProbe(root, unprobed)
         state.handles += probe.handles
+
+
+def _owner_casts(state: RaggedFSDPState, group: ShardGroup) -> bool:
+    """Whether a module holding root parameters casts its inputs. FSDP2 casts the inputs of the module it was
+    called on only (a residual kept in fp32 reaches the final norm). Where that module casts nothing (the
+    strategy's: the batch stays as autocast leaves it), the owners cast theirs outside autocast only, so a
+    forward there runs (fp32 inputs, bf16 weights); under autocast, as DDP's, a loss module's float targets
+    stay fp32 (cast, a Gaussian NLL's first loss was 2.0 against DDP's 0.777)."""
+    return not state.cast_root_inputs and not torch.is_autocast_enabled(group.dbuffers[0].device.type)
 
 
 def _hook_members(state: RaggedFSDPState, group: ShardGroup) -> None:

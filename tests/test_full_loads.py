@@ -93,3 +93,52 @@ def test_load_full_state_dict_loads_buffers_and_checks_shapes(dist_pool, world_s
         assert result["strict_false_differ"] == [], result
         error = result["strict_error"]
         assert error and "missing keys" in error and "unexpected keys" in error and "scale" in error, error
+
+
+class _Extra(nn.Module):
+    """A module with an extra state (``get_extra_state``: a dict, not a tensor)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        self.note = {"version": 1}
+
+    def get_extra_state(self) -> dict:
+        return dict(self.note)
+
+    def set_extra_state(self, state: dict) -> None:
+        self.note = dict(state)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x)
+
+
+def check_meta_models_and_extra_states() -> dict:
+    """A model built on meta and sharded without ``to_empty`` gets its buffers from the load (they stayed on meta
+    and the next forward failed, after a load that reported success); an extra state goes through
+    ``full_state_dict(cpu_offload=True)`` (an AttributeError on its dict) and back."""
+    results = {}
+    source = _with_buffers(make_model(seed=5), 7).state_dict()
+    for broadcast in (False, True):
+        with torch.device("meta"):
+            model = _with_buffers(make_model(), 0)
+        lr.fully_shard(model, shard_granularity="row")
+        given = source if not broadcast or dist.get_rank() == 0 else {}
+        lr.load_full_state_dict(model, given, broadcast_from_rank0=broadcast)
+        results[f"differ broadcast={broadcast}"] = _equal_to(model, source)
+        results[f"forward broadcast={broadcast}"] = tuple(model(torch.zeros(2, 5, dtype=torch.long)).shape)
+    model = lr.fully_shard(nn.Sequential(_Extra(), nn.Linear(4, 2)))
+    model[0].note = {"version": 3}
+    offloaded = lr.full_state_dict(model, cpu_offload=True)
+    model[0].note = {"version": 0}
+    lr.load_full_state_dict(model, offloaded)
+    results["extra"] = (offloaded["0._extra_state"], model[0].note)
+    return results
+
+
+def test_meta_built_models_and_extra_states_load(dist_pool):
+    for result in dist_pool(2).run(check_meta_models_and_extra_states):
+        for broadcast in (False, True):
+            assert result[f"differ broadcast={broadcast}"] == [], result
+            assert result[f"forward broadcast={broadcast}"] == (2, 5, 37), result
+        assert result["extra"] == ({"version": 3}, {"version": 3}), result

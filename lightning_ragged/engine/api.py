@@ -188,7 +188,7 @@ def fully_shard(
         shard_granularity=shard_granularity, block_rows=block_rows, dbuffer_size=dbuffer_size, alignment=alignment,
         planning_algorithm=planning_algorithm, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy,
         group_modules=group_modules, blocks_per_group=blocks_per_group, planning=planning,
-        memory_budget_bytes=memory_budget_bytes, reduce_mode=reduce_mode, gather_mode=gather_mode, flags=flags))
+        memory_budget_bytes=memory_budget_bytes, reduce_mode=reduce_mode, gather_mode=gather_mode, flags=flags), device)
     fp8_ids = fp8_param_ids(target, fp8_all_gather)
     children = _child_states(target)
     if children and (group_modules is not None or blocks_per_group != 1 or planning is not None):

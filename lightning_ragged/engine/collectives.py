@@ -17,6 +17,7 @@ FSDP2's custom communication (:class:`CustomComms`: ``set_custom_all_gather``, `
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
 from dataclasses import dataclass
@@ -270,6 +271,12 @@ def wire(tensor: torch.Tensor) -> torch.Tensor:
     if tensor.dtype in WIRE_DTYPES:
         return tensor
     return (tensor if tensor.dim() else tensor.view(1)).view(torch.uint8)
+
+
+def on_device(device: torch.device) -> Any:
+    """Make ``device`` the current CUDA device for an object collective (``all_gather_object``: NCCL's use the
+    current device, cuda:0 on every rank where none was set); nothing elsewhere."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def host_tensor(values: Sequence[float], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

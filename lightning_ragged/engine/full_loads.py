@@ -19,6 +19,7 @@ from torch.nn.modules.module import _IncompatibleKeys
 
 from lightning_ragged.engine import collectives
 from lightning_ragged.engine.checks import check_flag
+from lightning_ragged.engine.collectives import on_device
 from lightning_ragged.engine.dbuffer import DBuffer
 from lightning_ragged.engine.runtime import get_state
 from lightning_ragged.engine.state_dict import load_full, sharded_params
@@ -52,8 +53,11 @@ def load_full_state_dict(
         unexpected = [key for key in state_dict if key not in sharded and key not in others]
         extras = {key: state_dict[key] for key in others if key in state_dict and key not in expected}
         verdict = [(shape_problems(given, expected, strict, "the state_dict"), missing, unexpected, extras)]
+    dbuffers = list(get_state(module).dbuffers())
+    device = dbuffers[0].device if dbuffers else torch.device("cpu")
     if broadcast_from_rank0:
-        dist.broadcast_object_list(verdict, src=0)
+        with on_device(device):
+            dist.broadcast_object_list(verdict, src=0)
     problems, missing, unexpected, extras = verdict[0]
     if problems:
         whose = "rank 0's state_dict (broadcast_from_rank0=True)" if broadcast_from_rank0 else "the state_dict"
@@ -71,9 +75,13 @@ def load_full_state_dict(
                 load_full(dbuffer, {name: state_dict[key] for name, key in keys.items()})
     rest = [key for key in others if key not in missing]
     if rest:
-        values = _broadcast_rest(module, state_dict, rest, extras) if broadcast_from_rank0 else \
+        current = module.state_dict()
+        on_meta = any(isinstance(current[key], torch.Tensor) and current[key].is_meta for key in rest)
+        values = _broadcast_rest(current, state_dict, rest, extras, device) if broadcast_from_rank0 else \
             {key: state_dict[key] for key in rest}
-        module.load_state_dict(values, strict=False)
+        if on_meta:  # a model built on meta, sharded without to_empty: its buffers get these tensors, on device
+            values = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in values.items()}
+        module.load_state_dict(values, strict=False, assign=on_meta)
     return _IncompatibleKeys(missing, unexpected)
 
 
@@ -89,17 +97,18 @@ def _broadcast_flat(dbuffer: DBuffer, state_dict: dict[str, torch.Tensor], tenso
     return views
 
 
-def _broadcast_rest(module: nn.Module, state_dict: dict[str, Any], keys: list[str], extras: dict[str, Any]) -> dict[str, Any]:
+def _broadcast_rest(
+    current: dict[str, Any], state_dict: dict[str, Any], keys: list[str], extras: dict[str, Any], device: torch.device
+) -> dict[str, Any]:
     """Rank 0's entries outside the DBuffers (buffers, extra states): tensors in the module's own dtypes and
-    devices, coalesced into few broadcasts; the rest came with the verdict."""
-    current = module.state_dict()
+    devices (the shards' for one still on meta), coalesced into few broadcasts; the rest came with the verdict."""
     received = dict(extras)
     tensors = []
     for key in keys:
         if key in extras:
             continue
         mine = current[key]
-        received[key] = buffer = torch.empty_like(mine, memory_format=torch.contiguous_format)
+        received[key] = buffer = torch.empty(mine.shape, dtype=mine.dtype, device=device if mine.is_meta else mine.device)
         if dist.get_rank() == 0:
             buffer.copy_(state_dict[key])
         tensors.append(collectives.wire(buffer))

@@ -14,8 +14,11 @@ from __future__ import annotations
 import hashlib
 from typing import Any, Mapping
 
+import torch
 import torch.distributed as dist
 from torch import nn
+
+from lightning_ragged.engine.collectives import on_device
 
 
 def _describe(value: Any) -> str:
@@ -43,11 +46,22 @@ def _signature(module: nn.Module, knobs: Mapping[str, Any]) -> list[tuple[str, s
     return entries
 
 
-def require_same_model(module: nn.Module, label: str, groups: list[Any], knobs: Mapping[str, Any]) -> None:
+def require_same_model(
+    module: nn.Module, label: str, groups: list[Any], knobs: Mapping[str, Any], device: torch.device | None
+) -> None:
     """Raise on every rank of each of ``groups`` (shard group, replicate group) if their models or ``knobs``
-    differ, naming the first difference; one small all-gather per group otherwise."""
+    differ, naming the first difference; one small all-gather per group otherwise (on ``device``, the shards',
+    by default the parameters': NCCL's object collectives use the current CUDA device, cuda:0 on every rank
+    where none was set)."""
+    if device is None:
+        device = next((p.device for p in module.parameters() if not p.is_meta), torch.device("cpu"))
     signature = _signature(module, knobs)
     digest = hashlib.sha256(repr(signature).encode()).hexdigest()
+    with on_device(device):
+        _compare(signature, digest, label, groups)
+
+
+def _compare(signature: list[tuple[str, str]], digest: str, label: str, groups: list[Any]) -> None:
     for group in groups:
         if dist.get_world_size(group) == 1 or dist.get_backend(group) == "fake":  # torch's fake group moves no data
             continue

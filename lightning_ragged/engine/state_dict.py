@@ -91,7 +91,7 @@ def full_state_dict(module: nn.Module, *, cpu_offload: bool = False, rank0_only:
     for key, value in module.state_dict().items():
         if key in keys:
             value = gathered[id(keys[key].dbuffer)][keys[key].name]
-        elif cpu_offload:
+        elif cpu_offload and isinstance(value, torch.Tensor):  # an extra state (get_extra_state) stays as it is
             value = value.to("cpu")
         result[key] = value
     return result

@@ -600,3 +600,20 @@ def test_a_rank_without_a_gradient_leaves_the_matrices_it_holds_untouched(dist_p
         assert result[case]["diff"] <= 1e-6 and result[case]["momentum_diff"] <= 1e-6, (case, result[case])
         assert result[case]["undisturbed_diff"] > 1e-3, (case, result[case])  # the drops matter
         assert all(r[case]["counts"] == [2] * 4 for r in per_rank), (case, [r[case]["counts"] for r in per_rank])
+
+
+def test_muon_arguments_mistaken_for_others_are_named() -> None:
+    # before: "Tensor.__contains__ only supports Tensor or scalar", "too many values to unpack (expected 2)",
+    # and ns_steps=0 accepted (no orthogonalization at all)
+    from lightning_ragged.optim import muon_param_groups
+
+    model = make_model()
+    with pytest.raises(TypeError, match="MuonWithAuxAdamW takes param groups, not Parameters: pass muon_param_groups"):
+        MuonWithAuxAdamW(model.parameters())
+    with pytest.raises(TypeError, match="named_params holds Parameter items: pass the model or model.named_parameters"):
+        muon_param_groups(list(model.parameters()))
+    for steps in (0, -1, 2.5, True):
+        with pytest.raises(ValueError, match=f"ns_steps={steps!r} must be an int >= 1"):
+            Muon(model.blocks[0].qkv.parameters(), ns_steps=steps)
+    groups = muon_param_groups(model)
+    assert MuonWithAuxAdamW(iter(groups)).param_groups[0]["use_muon"] is True  # an iterator of groups still works

@@ -89,7 +89,13 @@ def split_muon_params(
         named_params = named_params.named_parameters()
     parts = tuple(non_muon)
     muon, other = [], []
-    for name, param in named_params:
+    for item in named_params:
+        if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)):
+            raise TypeError(  # model.parameters() gave "too many values to unpack (expected 2)"
+                f"named_params holds {type(item).__name__} items: pass the model or model.named_parameters() "
+                "((name, parameter) pairs: the names decide embeddings and heads)"
+            )
+        name, param = item
         hidden = id(param) not in embedding_ids and is_muon_matrix(name, shard_of(param, name).global_shape, parts)
         (muon if hidden else other).append((name, param))
     return muon, other
@@ -154,6 +160,9 @@ class Muon(RaggedOptimizer):
             raise ValueError(f"momentum should be >= 0 but is: {momentum}")
         if not 0.0 <= weight_decay:
             raise ValueError(f"weight decay should be >= 0 but is: {weight_decay}")
+        if isinstance(ns_steps, bool) or not isinstance(ns_steps, int) or ns_steps < 1:
+            raise ValueError(f"ns_steps={ns_steps!r} must be an int >= 1 (Newton-Schulz iterations; 0 or fewer "
+                             f"would not orthogonalize; default {DEFAULT_NS_STEPS})")
         if adjust_lr_fn is not None and adjust_lr_fn not in ("original", "match_rms_adamw"):
             raise ValueError(f"Adjust learning rate function {adjust_lr_fn} is not supported")
         defaults = dict(

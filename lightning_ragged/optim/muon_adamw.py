@@ -50,7 +50,13 @@ class MuonWithAuxAdamW(Muon):
     """Muon for groups with ``use_muon=True``, AdamW for the others, in one ``step()``."""
 
     def __init__(self, param_groups: list[dict[str, Any]], **muon_defaults: Any) -> None:
+        param_groups = list(param_groups)
         for group in param_groups:
+            if not isinstance(group, dict):  # model.parameters(): "Tensor.__contains__ only supports Tensor ..."
+                raise TypeError(
+                    f"MuonWithAuxAdamW takes param groups, not {type(group).__name__}s: pass "
+                    "muon_param_groups(model) (Muon for the hidden matrices, AdamW for the rest)"
+                )
             if "use_muon" not in group:
                 raise ValueError("every param group of MuonWithAuxAdamW needs use_muon=True or use_muon=False")
         super().__init__(param_groups, **muon_defaults)

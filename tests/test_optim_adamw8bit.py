@@ -160,3 +160,20 @@ def test_state_dict_loads_full_state_into_a_shard():
         {**full["param_groups"][0], "params": ["0.weight"]}], "ragged": full["ragged"]})
     assert torch.equal(local.state[shard]["exp_avg_codes"], optimizer.state[weight]["exp_avg_codes"].view(-1)[512:])
     assert torch.equal(local.state[shard]["exp_avg_sq_scales"], optimizer.state[weight]["exp_avg_sq_scales"][2:])
+
+
+def test_bad_hyperparameters_of_a_param_group_are_refused_at_construction():
+    # before: a group's block_size=0 divided by zero at the first step, betas=(0.9,) failed there to unpack
+    weight, bias = nn.Parameter(torch.randn(4, 4)), nn.Parameter(torch.randn(4))
+    for group, words in (
+        ({"block_size": 0}, r"param group 1's block_size=0 must be a positive int"),
+        ({"betas": (0.9,)}, r"param group 1's betas=\(0.9,\) must be two numbers in \[0, 1\)"),
+        ({"betas": (0.9, 0.99, 0.9)}, r"betas=\(0.9, 0.99, 0.9\) must be two numbers"),
+        ({"lr": -1.0}, r"param group 1's lr=-1.0"),
+    ):
+        with pytest.raises(ValueError, match=words):
+            AdamW8bit([{"params": [weight]}, {"params": [bias], **group}], block_size=4)
+    with pytest.raises(ValueError, match=r"betas=\(0.9,\) must be two numbers"):
+        AdamW8bit([weight], betas=(0.9,))
+    optimizer = AdamW8bit([{"params": [weight]}, {"params": [bias], "block_size": 2}], block_size=4)
+    assert [g["block_size"] for g in optimizer.param_groups] == [4, 2]

@@ -52,15 +52,9 @@ class AdamW8bit(RaggedOptimizer):
         weight_decay: float = 1e-2,
         block_size: int = 256,
     ) -> None:
-        if not 0.0 <= lr:
-            raise ValueError(f"Invalid learning rate: {lr}")
-        if not 0.0 <= eps:
-            raise ValueError(f"Invalid epsilon value: {eps}")
-        if not all(0.0 <= beta < 1.0 for beta in betas):
-            raise ValueError(f"Invalid betas: {betas}")
-        if not isinstance(block_size, int) or block_size < 1:
-            raise ValueError(f"block_size={block_size!r} must be a positive int")
-        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, block_size=block_size))
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, block_size=block_size)
+        _check_values(defaults, "")
+        super().__init__(params, defaults)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """torch's ``add_param_group`` (the constructor's groups come through here too), refusing a shard
@@ -68,6 +62,7 @@ class AdamW8bit(RaggedOptimizer):
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         try:
+            _check_values(group, f"param group {len(self.param_groups) - 1}'s ")
             for param in group["params"]:
                 self.shard(param).require_blocks(
                     group["block_size"], f"AdamW8bit (8-bit moments quantized in blocks of {group['block_size']})"
@@ -116,3 +111,17 @@ class AdamW8bit(RaggedOptimizer):
                 state["exp_avg_sq_codes"], state["exp_avg_sq_scales"] = quantize_blockwise(exp_avg_sq, block, signed=False)
         return loss
 
+
+
+def _check_values(group: dict[str, Any], where: str) -> None:
+    """The defaults' and each group's hyperparameters (a group's ``block_size=0`` divided by zero at the first
+    step, ``betas=(0.9,)`` failed there to unpack)."""
+    lr, eps, betas, block_size = group["lr"], group["eps"], group["betas"], group["block_size"]
+    if not 0.0 <= lr:
+        raise ValueError(f"Invalid learning rate: {where}lr={lr}")
+    if not 0.0 <= eps:
+        raise ValueError(f"Invalid epsilon value: {where}eps={eps}")
+    if not (isinstance(betas, (tuple, list)) and len(betas) == 2 and all(0.0 <= beta < 1.0 for beta in betas)):
+        raise ValueError(f"Invalid betas: {where}betas={betas!r} must be two numbers in [0, 1)")
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"{where}block_size={block_size!r} must be a positive int")

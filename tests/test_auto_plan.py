@@ -373,7 +373,13 @@ def test_plan_cli_refuses_bad_options(extra, message):
         main(["--config", "gpt-oss-120b", "--world-size", "64"] + extra)
 
 
-@pytest.mark.parametrize("text, message", [("{bad", "is not a readable JSON file"), ("[1, 2]", "holds a JSON list")])
+@pytest.mark.parametrize("text, message", [
+    ("{bad", "is not a readable JSON file"), ("[1, 2]", "holds a JSON list"),
+    # before: transformers' 13-frame traceback (StrictDataclassClassValidationError)
+    ('{"model_type": "llama", "hidden_size": 64, "num_attention_heads": 5, "num_hidden_layers": 2, '
+     '"intermediate_size": 128, "vocab_size": 100}',
+     r"--config '.*': transformers refuses this llama config: .*not a multiple of the number of attention heads"),
+])
 def test_plan_cli_names_a_config_file_it_cannot_read(tmp_path, text, message):
     # Before: json's traceback, or AttributeError: 'list' object has no attribute 'get'
     from lightning_ragged.cli.plan import main

@@ -79,8 +79,14 @@ def build_meta_model(config: dict[str, Any]) -> nn.Module:
             f"model_type {model_type!r} is not a model transformers {transformers.__version__} knows "
             "(a trust_remote_code model, or a newer transformers)"
         )
+    from huggingface_hub.errors import StrictDataclassError
+
+    try:
+        built = AutoConfig.for_model(model_type, **fields)
+    except StrictDataclassError as error:  # transformers' validation (a width no multiple of the heads): a traceback
+        raise ValueError(f"transformers refuses this {model_type} config: {error.__cause__ or error}") from None
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **fields))
+        return AutoModelForCausalLM.from_config(built)
 
 
 def describe_model(config: dict[str, Any], name: str = "model", experts: Optional[str] = None) -> ModelDescription:

@@ -43,39 +43,38 @@ def load_full_state_dict(
     """
     check_flag("broadcast_from_rank0", broadcast_from_rank0)
     check_flag("strict", strict)
-    get_state(module)  # a module fully_shard never touched is an error here, as in full_state_dict
-    expected, sharded = expected_model_shapes(module), sharded_params(module)
-    others = [key for key, value in module.state_dict().items() if key not in sharded]
+    dbuffers = list(get_state(module).dbuffers())  # a module fully_shard never touched is an error here
+    expected, sharded, current = expected_model_shapes(module), sharded_params(module), module.state_dict()
+    others = [key for key in current if key not in sharded]
     verdict: list[Any] = [None]
     if not broadcast_from_rank0 or dist.get_rank() == 0:
         given = {key: tuple(value.shape) for key, value in state_dict.items() if isinstance(value, torch.Tensor)}
         missing = [key for key in [*sharded, *others] if key not in state_dict]
-        unexpected = [key for key in state_dict if key not in sharded and key not in others]
+        unexpected = [key for key in state_dict if key not in sharded and key not in current]
         extras = {key: state_dict[key] for key in others if key in state_dict and key not in expected}
         verdict = [(shape_problems(given, expected, strict, "the state_dict"), missing, unexpected, extras)]
-    dbuffers = list(get_state(module).dbuffers())
     device = dbuffers[0].device if dbuffers else torch.device("cpu")
     if broadcast_from_rank0:
         with on_device(device):
             dist.broadcast_object_list(verdict, src=0)
     problems, missing, unexpected, extras = verdict[0]
+    absent = set(missing)
     if problems:
         whose = "rank 0's state_dict (broadcast_from_rank0=True)" if broadcast_from_rank0 else "the state_dict"
         raise RuntimeError(f"load_full_state_dict: {whose} does not fit the module: " + "; ".join(problems))
     per_dbuffer: dict[int, dict[str, str]] = {}
     for key, (dbuffer, name) in sharded.items():
-        if key not in missing:
+        if key not in absent:
             per_dbuffer.setdefault(id(dbuffer), {})[name] = key
-    for dbuffer in get_state(module).dbuffers():
+    for dbuffer in dbuffers:
         if id(dbuffer) in per_dbuffer:
             keys = per_dbuffer[id(dbuffer)]
             if broadcast_from_rank0:
                 load_full(dbuffer, _broadcast_flat(dbuffer, state_dict, keys))
             else:
                 load_full(dbuffer, {name: state_dict[key] for name, key in keys.items()})
-    rest = [key for key in others if key not in missing]
+    rest = [key for key in others if key not in absent]
     if rest:
-        current = module.state_dict()
         on_meta = any(isinstance(current[key], torch.Tensor) and current[key].is_meta for key in rest)
         values = _broadcast_rest(current, state_dict, rest, extras, device) if broadcast_from_rank0 else \
             {key: state_dict[key] for key in rest}
